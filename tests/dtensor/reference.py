@@ -1,0 +1,75 @@
+"""Independent single-device references for DTensor layouts (plain torch.chunk, no upstream)."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+import vescale
+from vescale import Partial, Placement, Replicate, Shard
+
+
+@functools.cache
+def mesh_of(shape: tuple[int, ...]) -> vescale.DeviceMesh:
+    """One cached CPU mesh per shape, so process groups are created once per worker."""
+    return vescale.init_device_mesh("cpu", shape)
+
+
+def coord_of(mesh_shape: Sequence[int], rank: int | None = None) -> tuple[int, ...]:
+    rank = dist.get_rank() if rank is None else rank
+    out = []
+    for size in reversed(mesh_shape):
+        out.append(rank % size)
+        rank //= size
+    return tuple(reversed(out))
+
+
+def expected_local(
+    full: torch.Tensor,
+    mesh_shape: Sequence[int],
+    coord: Sequence[int],
+    placements: Sequence[Placement],
+) -> torch.Tensor:
+    """Rank ``coord``'s local tensor: nested ``torch.chunk`` for Shard (mesh dims in order,
+    empty past the last chunk), the value on coordinate 0 and identity elements elsewhere
+    for Partial, the value itself for Replicate."""
+    t = full
+    for mesh_dim, p in enumerate(placements):
+        c = coord[mesh_dim]
+        if isinstance(p, Shard):
+            chunks = torch.chunk(t, mesh_shape[mesh_dim], dim=p.dim)
+            t = chunks[c] if c < len(chunks) else t.narrow(p.dim, 0, 0)
+        elif isinstance(p, Partial) and c != 0:
+            if p.reduce_op == "sum":
+                t = torch.zeros_like(t)
+            elif p.reduce_op == "product":
+                t = torch.ones_like(t)
+    return t
+
+
+def partial_source(
+    placements: Sequence[Placement],
+    mesh_shape: Sequence[int],
+    shape: Sequence[int],
+    dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A global tensor and this rank's local shard, with genuinely different partial pieces.
+
+    Each combination of coordinates on the Partial mesh dims gets its own random piece and
+    the global value is their reduction (sum or max), so reductions are really exercised.
+    Every rank draws the same pieces (same seed), so the global value is known everywhere.
+    """
+    partial_dims = [i for i, p in enumerate(placements) if isinstance(p, Partial)]
+    keys = list(itertools.product(*(range(mesh_shape[i]) for i in partial_dims)))
+    pieces = {k: torch.randn(*shape, dtype=dtype) for k in keys}
+    ops = {p.reduce_op for p in placements if isinstance(p, Partial)}
+    stacked = torch.stack(list(pieces.values()))
+    full = stacked.amax(0) if ops == {"max"} else stacked.sum(0)
+    coord = coord_of(mesh_shape)
+    piece = pieces[tuple(coord[i] for i in partial_dims)]
+    shard_only = [p if isinstance(p, Shard) else Replicate() for p in placements]
+    return full, expected_local(piece, mesh_shape, coord, shard_only)

@@ -1,0 +1,163 @@
+"""A persistent pool of gloo worker processes shared by every test of a pytest session.
+
+``pool.run(fn, *args)`` runs the module-level function ``fn`` on every rank at once and
+returns the per-rank results; any rank's exception (with its traceback) fails the test.
+After a failure or a timeout the pool is rebuilt so one bad test cannot poison the next.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+COLLECTIVE_TIMEOUT_S = 60
+
+
+class WorkerError(AssertionError):
+    """One or more ranks failed; the message holds each failing rank's traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _resolve(module: str, qualname: str) -> Callable[..., Any]:
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj  # type: ignore[no-any-return]
+
+
+def _worker_main(
+    rank: int, world_size: int, port: int, tasks: Any, results: Any, path: list[str]
+) -> None:
+    sys.path[:] = path
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    import vescale  # noqa: F401  (installs the DTensor hooks before any DTensor op)
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    results.put((None, rank, "ready", None))
+    while (task := tasks.get()) is not None:
+        task_id, module, qualname, args, env = task
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            torch.manual_seed(0)
+            out = _resolve(module, qualname)(*args)
+            results.put((task_id, rank, "ok", out))
+        except BaseException:
+            results.put((task_id, rank, "err", traceback.format_exc()))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    """``world_size`` gloo ranks kept alive across tests."""
+
+    def __init__(self, world_size: int, start_timeout_s: float = 180) -> None:
+        self.world_size = world_size
+        self.start_timeout_s = start_timeout_s
+        self._task_id = 0
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(
+                target=_worker_main,
+                args=(r, self.world_size, port, self._tasks[r], self._results, list(sys.path)),
+                daemon=True,
+            )
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        ready = 0
+        while ready < self.world_size:
+            try:
+                _, _, status, _ = self._results.get(timeout=self.start_timeout_s)
+            except queue.Empty:
+                self._kill()
+                raise RuntimeError(f"worker pool of {self.world_size} did not start") from None
+            ready += status == "ready"
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout_s: float = 2 * COLLECTIVE_TIMEOUT_S,
+        env: dict[str, str] | None = None,
+    ) -> list[Any]:
+        """Run ``fn(*args)`` on every rank; return the results indexed by rank."""
+        self._task_id += 1
+        tid = self._task_id
+        for q in self._tasks:
+            q.put((tid, fn.__module__, fn.__qualname__, args, dict(env or {})))
+        out: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        while len(out) + len(errors) < self.world_size:
+            try:
+                task_id, rank, status, value = self._results.get(timeout=timeout_s)
+            except queue.Empty:
+                missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
+                self._restart()
+                raise WorkerError(
+                    f"{fn.__qualname__}: ranks {missing} did not finish in {timeout_s}s"
+                    + "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+                ) from None
+            if task_id != tid:
+                continue  # a late answer from a task that timed out before the restart
+            (out if status == "ok" else errors)[rank] = value
+        if errors:
+            self._restart()
+            raise WorkerError(
+                f"{fn.__qualname__} failed on ranks {sorted(errors)}"
+                + "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            )
+        return [out[r] for r in range(self.world_size)]
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=10)
+
+    def _restart(self) -> None:
+        self._kill()
+        self._start()
+
+    def close(self) -> None:
+        for q in self._tasks:
+            q.put(None)
+        for p in self._procs:
+            p.join(timeout=30)
+        self._kill()

@@ -1,0 +1,38 @@
+"""vescale: PyTorch-native distributed tensors and an SPMD compiler backend.
+
+Importing ``vescale`` registers the ``vescale`` torch.compile backend.
+"""
+
+from vescale import backend as _backend
+from vescale.dtensor import (
+    DeviceMesh,
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+    from_local,
+    init_device_mesh,
+    redistribute_dtensor,
+    to_local,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DTensor",
+    "DeviceMesh",
+    "Partial",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "__version__",
+    "distribute_tensor",
+    "from_local",
+    "init_device_mesh",
+    "redistribute_dtensor",
+    "to_local",
+]
+
+_backend.register()

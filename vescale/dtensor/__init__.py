@@ -1,0 +1,27 @@
+"""The eager layer: ``vescale.DTensor`` on top of ``torch.distributed.tensor``."""
+
+from vescale.dtensor.api import (
+    distribute_tensor,
+    from_local,
+    full_tensor,
+    redistribute_dtensor,
+    to_local,
+)
+from vescale.dtensor.device_mesh import DeviceMesh, init_device_mesh
+from vescale.dtensor.dtensor import DTensor
+from vescale.dtensor.placement_types import Partial, Placement, Replicate, Shard
+
+__all__ = [
+    "DTensor",
+    "DeviceMesh",
+    "Partial",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "distribute_tensor",
+    "from_local",
+    "full_tensor",
+    "init_device_mesh",
+    "redistribute_dtensor",
+    "to_local",
+]

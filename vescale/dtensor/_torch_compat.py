@@ -1,0 +1,44 @@
+"""Every private upstream symbol vescale depends on, imported in one place.
+
+A torch upgrade that moves or renames one of these fails here, loudly, and
+``tests/dtensor/test_torch_compat.py`` pins the shapes we rely on.
+"""
+
+from torch._library.opaque_object import MemberType, register_opaque_type
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.device_mesh import _mesh_resources
+from torch.distributed.tensor._dispatch import OpDispatcher
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._redistribute import (
+    redistribute_local_tensor as upstream_redistribute_local_tensor,
+)
+from torch.distributed.tensor._utils import (
+    compute_global_tensor_info,
+    compute_local_shape_and_global_offset,
+)
+
+__all__ = [
+    "AsyncCollectiveTensor",
+    "DTensorSpec",
+    "MemberType",
+    "OpDispatcher",
+    "TensorMeta",
+    "_mesh_resources",
+    "compute_global_tensor_info",
+    "compute_local_shape_and_global_offset",
+    "register_opaque_type",
+    "upstream_redistribute_local_tensor",
+]
+
+# Private attributes (not importable names) we read or set:
+#   DeviceMesh._dim_group_names, DeviceMesh._pg_registry   (mesh from an existing group)
+#   DeviceMesh.__init__(..., _init_backend=False, _rank=...) (meta meshes, sub-meshes)
+#   OpDispatcher.wrap                                        (op outputs become vescale.DTensor)
+#   DTensor._local_tensor, DTensor._spec                     (the DTensor payload)
+PRIVATE_ATTRIBUTES = (
+    ("DeviceMesh", "_dim_group_names"),
+    ("DeviceMesh", "_pg_registry"),
+    ("OpDispatcher", "wrap"),
+    ("DTensor", "_local_tensor"),
+    ("DTensor", "_spec"),
+)

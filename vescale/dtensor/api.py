@@ -1,0 +1,348 @@
+"""Conversions between ``torch.Tensor`` and ``vescale.DTensor`` (veScale's semantics).
+
+* ``distribute_tensor``: data from coordinate 0; ``Partial`` puts the value on coordinate 0
+  (identity elements elsewhere); the caller's tensor is never modified.
+* ``from_local``: uneven shards by default (local sizes gathered along sharded mesh dims,
+  rank i holding ``torch.chunk`` chunk i); ``run_check`` broadcasts Replicate data from
+  coordinate 0 (``VESCALE_DISABLE_RUN_CHECK=1`` turns it off everywhere).
+* ``to_local``/``redistribute`` with async collectives; ``Replicate -> Partial`` is local.
+All are differentiable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor as _UpstreamDTensor
+from torch.distributed.tensor import distribute_tensor as _upstream_distribute_tensor
+
+from vescale.dtensor._torch_compat import (
+    DTensorSpec,
+    _mesh_resources,
+    compute_global_tensor_info,
+    compute_local_shape_and_global_offset,
+)
+from vescale.dtensor.dtensor import DTensor
+from vescale.dtensor.placement_types import (
+    Placement,
+    Replicate,
+    Shard,
+    make_spec,
+    normalize_placements,
+)
+from vescale.dtensor.redistribute import (
+    redistribute_local_tensor,
+    replicate_to_partial,
+    wait_local,
+)
+
+__all__ = [
+    "distribute_tensor",
+    "from_local",
+    "full_tensor",
+    "redistribute_dtensor",
+    "to_local",
+    "wait_local",
+]
+
+
+def _mesh(device_mesh: Any, what: str) -> Any:
+    if device_mesh is not None:
+        return device_mesh
+    if not _mesh_resources.mesh_stack:
+        raise ValueError(f"{what}: no device_mesh given and none active (use `with mesh:`)")
+    return _mesh_resources.get_current_mesh()
+
+
+def _grad_placements(placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    """Default gradient layout for a tensor laid out as ``placements``: Partial -> Replicate."""
+    return tuple(Replicate() if p.is_partial() else p for p in placements)
+
+
+def chunk_sizes(total: int, n: int) -> list[int]:
+    """Sizes of ``torch.chunk(range(total), n)`` padded with zeros to ``n`` entries."""
+    step = -(-total // n) if total else 0
+    return [max(0, min(step, total - k * step)) for k in range(n)]
+
+
+def _global_stride(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]:
+    """Strides of a dense global tensor of ``shape`` with ``local``'s dimension order."""
+    order = sorted(range(local.ndim), key=lambda d: -local.stride(d))
+    stride = [0] * local.ndim
+    acc = 1
+    for d in reversed(order):
+        stride[d] = acc
+        acc *= max(int(shape[d]), 1)
+    return tuple(stride)
+
+
+def _comm_device(mesh: Any) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
+def _gathered_global_shape(
+    local: torch.Tensor, mesh: Any, placements: Sequence[Placement]
+) -> list[int]:
+    """Global shape from the local sizes on every rank (innermost mesh dim first)."""
+    shape = list(local.shape)
+    for mesh_dim in reversed(range(mesh.ndim)):
+        p = placements[mesh_dim]
+        n = mesh.size(mesh_dim)
+        if not isinstance(p, Shard) or n == 1:
+            continue
+        mine = torch.tensor([shape[p.dim]], dtype=torch.int64, device=_comm_device(mesh))
+        sizes = funcol.all_gather_single(mine, 0, (mesh, mesh_dim)).tolist()
+        total = sum(sizes)
+        if sizes != chunk_sizes(total, n):
+            raise ValueError(
+                f"from_local: local sizes {sizes} of tensor dim {p.dim} along mesh dim "
+                f"{mesh_dim} of {mesh} are not the torch.chunk split of {total} over {n} "
+                f"ranks ({chunk_sizes(total, n)}); rank i must hold chunk i"
+            )
+        shape[p.dim] = total
+    return shape
+
+
+def _broadcast_replicated(local: torch.Tensor, mesh: Any, placements: Sequence[Placement]) -> torch.Tensor:
+    """``local`` made identical along Replicate mesh dims (coordinate 0's data); never in place."""
+    out = wait_local(local)
+    for mesh_dim, p in enumerate(placements):
+        if p.is_replicate() and mesh.size(mesh_dim) > 1:
+            src = mesh.get_local_rank(mesh_dim) == 0
+            buf = out.contiguous() if src else torch.empty_like(out, memory_format=torch.contiguous_format)
+            dist.broadcast(buf, group=mesh.get_group(mesh_dim), group_src=0)
+            out = buf
+    return out
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        local: torch.Tensor,
+        spec: DTensorSpec,
+        grad_placements: tuple[Placement, ...] | None,
+        run_check: bool,
+    ) -> DTensor:
+        ctx.spec = spec
+        ctx.grad_placements = grad_placements
+        ctx.set_materialize_grads(False)
+        data = _broadcast_replicated(local, spec.mesh, spec.placements) if run_check else local
+        if data is local:
+            data = local.view_as(local)  # a fresh tensor object sharing the caller's memory
+        return DTensor(data, spec, requires_grad=local.requires_grad)  # type: ignore[call-arg]
+
+    @staticmethod
+    def backward(ctx: Any, grad: _UpstreamDTensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        if grad is None:
+            return None, None, None, None
+        target = ctx.grad_placements or _grad_placements(ctx.spec.placements)
+        local = grad._local_tensor
+        if tuple(grad.placements) != tuple(target):
+            dst = DTensorSpec(grad._spec.mesh, tuple(target), tensor_meta=grad._spec.tensor_meta)
+            local = redistribute_local_tensor(local, grad._spec, dst)
+        return wait_local(local), None, None, None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        dt: DTensor,
+        grad_placements: tuple[Placement, ...] | None,
+        async_output: bool,
+    ) -> torch.Tensor:
+        ctx.spec = dt._spec
+        ctx.grad_placements = grad_placements
+        ctx.set_materialize_grads(False)
+        local = dt._local_tensor if async_output else wait_local(dt._local_tensor)
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        if grad is None:
+            return None, None, None
+        spec: DTensorSpec = ctx.spec
+        placements = ctx.grad_placements or _grad_placements(spec.placements)
+        gspec = make_spec(
+            spec.mesh, placements, spec.shape, _global_stride(grad, spec.shape), grad.dtype
+        )
+        return DTensor(grad, gspec, requires_grad=grad.requires_grad), None, None  # type: ignore[call-arg]
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, dt: _UpstreamDTensor, placements: tuple[Placement, ...], async_op: bool
+    ) -> DTensor:
+        src = dt._spec
+        ctx.src_placements = src.placements
+        ctx.async_op = async_op
+        dst = DTensorSpec(src.mesh, placements, tensor_meta=src.tensor_meta)
+        local = redistribute_local_tensor(dt._local_tensor, src, dst, async_op=async_op)
+        if local is dt._local_tensor:
+            local = local.view_as(local)
+        return DTensor(local, dst, requires_grad=dt.requires_grad)  # type: ignore[call-arg]
+
+    @staticmethod
+    def backward(ctx: Any, grad: _UpstreamDTensor) -> tuple[Any, ...]:  # type: ignore[override]
+        # A gradient is never turned back into a Partial it does not already have.
+        target = tuple(
+            Replicate() if s.is_partial() and not g.is_partial() else s
+            for s, g in zip(ctx.src_placements, grad.placements)
+        )
+        return _Redistribute.apply(grad, target, ctx.async_op), None, None
+
+
+def distribute_tensor(
+    tensor: torch.Tensor,
+    device_mesh: Any = None,
+    placements: Sequence[Placement] | None = None,
+    *,
+    src_data_rank: int | None = 0,
+) -> DTensor:
+    """Distribute a global ``tensor`` (taken from coordinate 0) over ``device_mesh``."""
+    mesh = _mesh(device_mesh, "distribute_tensor")
+    if isinstance(tensor, _UpstreamDTensor):
+        raise TypeError(
+            f"distribute_tensor: input is already a DTensor (placements {tensor.placements} "
+            f"on {tensor.device_mesh}); use .redistribute() to change its placements"
+        )
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"distribute_tensor: expected a torch.Tensor, got {type(tensor).__name__}")
+    pl = normalize_placements(placements, mesh, tensor.ndim, what="distribute_tensor")
+    upstream_pl = _grad_placements(pl)  # Partial dims: first replicate, then partition locally
+    src = tensor.detach()
+    if any(not p.is_shard() and mesh.size(i) > 1 for i, p in enumerate(upstream_pl)):
+        src = src.clone()  # upstream broadcasts into its input on non-source ranks
+    local = _upstream_distribute_tensor(
+        src, mesh, upstream_pl, src_data_rank=src_data_rank
+    )._local_tensor
+    for mesh_dim, p in enumerate(pl):
+        if p.is_partial():
+            local = replicate_to_partial(local, p.reduce_op, mesh.get_local_rank(mesh_dim))  # type: ignore[attr-defined]
+    spec = make_spec(mesh, pl, tensor.shape, tensor.stride(), tensor.dtype)
+    return DTensor(local.detach(), spec, requires_grad=tensor.requires_grad)  # type: ignore[call-arg]
+
+
+def from_local(
+    local_tensor: torch.Tensor,
+    device_mesh: Any = None,
+    placements: Sequence[Placement] | None = None,
+    *,
+    run_check: bool = True,
+    shape: torch.Size | Sequence[int] | None = None,
+    stride: Sequence[int] | None = None,
+    support_uneven: bool = True,
+    async_input: bool = True,
+    grad_placements: Sequence[Placement] | None = None,
+) -> DTensor:
+    """Build a DTensor from each rank's local shard (differentiable).
+
+    Without ``shape``/``stride`` and with ``support_uneven`` the global shape is the sum of
+    the local sizes along every sharded mesh dim (one small all-gather per such dim);
+    ``support_uneven=False`` assumes even shards (no communication). ``run_check`` makes
+    Replicate data consistent by broadcasting coordinate 0's local tensor (never in place).
+    ``async_input=False`` waits an in-flight async collective input first.
+    """
+    if isinstance(local_tensor, _UpstreamDTensor):
+        raise TypeError(
+            f"from_local: expected the local torch.Tensor shard, got a DTensor (placements "
+            f"{local_tensor.placements} on {local_tensor.device_mesh})"
+        )
+    if not isinstance(local_tensor, torch.Tensor):
+        raise TypeError(f"from_local: expected a torch.Tensor, got {type(local_tensor).__name__}")
+    if (shape is None) != (stride is None):
+        raise ValueError(
+            f"from_local: pass both shape and stride or neither (got shape={shape}, stride={stride})"
+        )
+    mesh = _mesh(device_mesh, "from_local")
+    pl = normalize_placements(placements, mesh, local_tensor.ndim, what="from_local")
+    gp = (
+        normalize_placements(grad_placements, mesh, local_tensor.ndim, what="from_local")
+        if grad_placements is not None
+        else None
+    )
+    if not async_input:
+        local_tensor = wait_local(local_tensor)
+    if shape is not None:
+        gshape, gstride = torch.Size(shape), tuple(stride)  # type: ignore[arg-type]
+    elif support_uneven and mesh.device_type != "meta" and any(p.is_shard() for p in pl):
+        gshape = torch.Size(_gathered_global_shape(local_tensor, mesh, pl))
+        gstride = _global_stride(local_tensor, gshape)
+    else:
+        s, st = compute_global_tensor_info(local_tensor, mesh, pl)
+        gshape, gstride = torch.Size(s), tuple(st)
+    spec = make_spec(mesh, pl, gshape, gstride, local_tensor.dtype)
+    if mesh.get_coordinate() is not None:
+        expected = _local_shape(spec)
+        if tuple(local_tensor.shape) != expected:
+            raise ValueError(
+                f"from_local: local shape {tuple(local_tensor.shape)} does not match the "
+                f"shard {expected} of global shape {tuple(gshape)} with placements {pl} on {mesh}"
+            )
+    run_check = run_check and os.environ.get("VESCALE_DISABLE_RUN_CHECK", "0") != "1"
+    run_check = run_check and mesh.device_type != "meta"
+    return _FromLocal.apply(local_tensor, spec, gp, run_check)  # type: ignore[no-any-return]
+
+
+def _local_shape(spec: DTensorSpec) -> tuple[int, ...]:
+    shape, _ = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
+    return tuple(shape)
+
+
+def to_local(
+    dtensor: DTensor,
+    *,
+    grad_placements: Sequence[Placement] | None = None,
+    async_output: bool = True,
+) -> torch.Tensor:
+    """The local shard (differentiable). ``async_output=False`` returns a waited plain tensor."""
+    if not isinstance(dtensor, _UpstreamDTensor):
+        raise TypeError(f"to_local: expected a DTensor, got {type(dtensor).__name__}")
+    gp = (
+        normalize_placements(grad_placements, dtensor.device_mesh, dtensor.ndim, what="to_local")
+        if grad_placements is not None
+        else None
+    )
+    return _ToLocal.apply(dtensor, gp, async_output)  # type: ignore[no-any-return]
+
+
+def redistribute_dtensor(
+    dtensor: DTensor,
+    device_mesh: Any = None,
+    placements: Sequence[Placement] | None = None,
+    async_op: bool = True,
+) -> DTensor:
+    """``dtensor`` laid out as ``placements`` (differentiable; any pair of placements)."""
+    if not isinstance(dtensor, _UpstreamDTensor):
+        raise TypeError(f"redistribute: expected a DTensor, got {type(dtensor).__name__}")
+    if placements is None:
+        raise ValueError(
+            f"redistribute: placements is required (DTensor has {dtensor.placements} on "
+            f"{dtensor.device_mesh})"
+        )
+    mesh = device_mesh if device_mesh is not None else dtensor.device_mesh
+    if mesh != dtensor.device_mesh:
+        raise ValueError(
+            f"redistribute: cannot move a DTensor from {dtensor.device_mesh} to another mesh {mesh}"
+        )
+    pl = normalize_placements(placements, mesh, dtensor.ndim, what="redistribute")
+    return _Redistribute.apply(dtensor, pl, async_op)  # type: ignore[no-any-return]
+
+
+def full_tensor(
+    dtensor: DTensor, *, grad_placements: Sequence[Placement] | None = None
+) -> torch.Tensor:
+    """The global tensor on every rank, waited (differentiable)."""
+    replicated = redistribute_dtensor(
+        dtensor, placements=(Replicate(),) * dtensor.device_mesh.ndim, async_op=False
+    )
+    return to_local(replicated, grad_placements=grad_placements, async_output=False)

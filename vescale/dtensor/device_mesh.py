@@ -1,0 +1,134 @@
+"""``vescale.DeviceMesh``: upstream ``DeviceMesh`` plus ``pg=``, meta meshes and sub-mesh splits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh as _UpstreamDeviceMesh
+from torch.distributed.device_mesh import init_device_mesh as _upstream_init_device_mesh
+
+__all__ = ["DeviceMesh", "as_vescale_mesh", "init_device_mesh"]
+
+
+class DeviceMesh(_UpstreamDeviceMesh):
+    """A device mesh. Accepts everything upstream does, plus:
+
+    * ``DeviceMesh(device_type, pg=group)``: a 1-D mesh over an existing process group's
+      ranks (no new group is created); with ``mesh`` too, both must list the same ranks.
+    * ``device_type="meta"``: a shape-only mesh for planning; no process group is needed
+      or created.
+    """
+
+    def __init__(
+        self,
+        device_type: str,
+        mesh: Any = None,
+        *,
+        mesh_dim_names: tuple[str, ...] | None = None,
+        pg: dist.ProcessGroup | None = None,
+        **upstream_kwargs: Any,
+    ) -> None:
+        if pg is not None:
+            ranks = dist.get_process_group_ranks(pg)
+            if mesh is not None:
+                given = torch.as_tensor(mesh).flatten().tolist()
+                if given != ranks:
+                    raise ValueError(
+                        f"DeviceMesh: mesh {given} and process group ranks {ranks} differ"
+                    )
+            super().__init__(
+                device_type,
+                torch.tensor(ranks, dtype=torch.int),
+                mesh_dim_names=mesh_dim_names,
+                _init_backend=False,
+            )
+            self._dim_group_names = [pg.group_name]
+            self._pg_registry[pg.group_name] = pg
+            return
+        if mesh is None and not upstream_kwargs:
+            raise ValueError("DeviceMesh: pass mesh=, pg=, or both")
+        if device_type == "meta":
+            upstream_kwargs.setdefault("_init_backend", False)
+            upstream_kwargs.setdefault("_rank", dist.get_rank() if dist.is_initialized() else 0)
+        super().__init__(device_type, mesh, mesh_dim_names=mesh_dim_names, **upstream_kwargs)
+
+    @staticmethod
+    def from_group(*args: Any, **kwargs: Any) -> DeviceMesh:  # type: ignore[override]
+        """As upstream ``DeviceMesh.from_group``, returning a ``vescale.DeviceMesh``."""
+        return as_vescale_mesh(_UpstreamDeviceMesh.from_group(*args, **kwargs))
+
+    def __getitem__(self, mesh_dim_names: str | tuple[str, ...]) -> DeviceMesh:
+        return as_vescale_mesh(super().__getitem__(mesh_dim_names))
+
+    def _dims(self, dims: int | str | Sequence[int | str]) -> list[int]:
+        items = [dims] if isinstance(dims, int | str) else list(dims)
+        out = []
+        for d in items:
+            if isinstance(d, str):
+                names = self.mesh_dim_names or ()
+                if d not in names:
+                    raise ValueError(f"DeviceMesh: no mesh dim named {d!r} in {self}")
+                out.append(names.index(d))
+            elif isinstance(d, int) and -self.ndim <= d < self.ndim:
+                out.append(d % self.ndim)
+            else:
+                raise ValueError(f"DeviceMesh: mesh dim {d!r} out of range for {self}")
+        if len(set(out)) != len(out):
+            raise ValueError(f"DeviceMesh: repeated mesh dims {items} for {self}")
+        return out
+
+    def get_submesh(self, dims: int | str | Sequence[int | str]) -> DeviceMesh:
+        """The sub-mesh over ``dims`` (names or indices, kept in mesh order) holding this rank."""
+        idx = sorted(self._dims(dims))
+        if self.mesh_dim_names is not None and self.device_type != "meta":
+            names = tuple(self.mesh_dim_names[i] for i in idx)
+            return self[names[0] if len(names) == 1 else names]
+        coord = self.get_coordinate()
+        if coord is None:
+            raise ValueError(f"DeviceMesh.get_submesh: this rank is not in {self}")
+        index = tuple(slice(None) if i in idx else coord[i] for i in range(self.ndim))
+        return self._submesh(self.mesh[index], idx)
+
+    def get_all_submesh(self, dim: int | str) -> list[DeviceMesh]:
+        """All 1-D sub-meshes along ``dim``, in mesh order (this rank's one among them)."""
+        (d,) = self._dims(dim)
+        rows = self.mesh.movedim(d, -1).reshape(-1, self.mesh.size(d))
+        return [self._submesh(row, [d]) for row in rows]
+
+    def _submesh(self, sub: torch.Tensor, dims: list[int]) -> DeviceMesh:
+        names = tuple(self.mesh_dim_names[i] for i in dims) if self.mesh_dim_names else None
+        res = DeviceMesh(
+            self.device_type, sub, mesh_dim_names=names, _init_backend=False, _rank=self.get_rank()
+        )
+        res._dim_group_names = []
+        if self.device_type != "meta" and self.get_rank() in sub.flatten().tolist():
+            groups = [self.get_group(i) for i in dims]
+            res._dim_group_names = [g.group_name for g in groups]
+            res._pg_registry.update({g.group_name: g for g in groups})
+        return res
+
+
+def as_vescale_mesh(mesh: _UpstreamDeviceMesh) -> DeviceMesh:
+    """Return ``mesh`` typed as ``vescale.DeviceMesh`` (same object; no state is added)."""
+    if not isinstance(mesh, DeviceMesh):
+        mesh.__class__ = DeviceMesh
+    return mesh  # type: ignore[return-value]
+
+
+def init_device_mesh(
+    device_type: str,
+    mesh_shape: tuple[int, ...],
+    *,
+    mesh_dim_names: tuple[str, ...] | None = None,
+    **kwargs: Any,
+) -> DeviceMesh:
+    """As upstream ``init_device_mesh``; ``device_type="meta"`` builds a meta mesh."""
+    if device_type == "meta":
+        ranks = torch.arange(int(torch.Size(mesh_shape).numel()), dtype=torch.int)
+        return DeviceMesh("meta", ranks.reshape(mesh_shape), mesh_dim_names=mesh_dim_names)
+    return as_vescale_mesh(
+        _upstream_init_device_mesh(device_type, mesh_shape, mesh_dim_names=mesh_dim_names, **kwargs)
+    )
