@@ -2,10 +2,10 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-import vescale  # noqa: E402,F401  (DTensor hooks must be installed before any DTensor op)
-from tests.harness import WorkerPool  # noqa: E402
+import vescale  # noqa: F401  (DTensor hooks must be installed before any DTensor op)
+from tests.harness import WorkerPool
 
 
 @pytest.fixture(scope="session")

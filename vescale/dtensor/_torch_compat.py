@@ -6,6 +6,7 @@ A torch upgrade that moves or renames one of these fails here, loudly, and
 
 from torch._library.opaque_object import MemberType, register_opaque_type
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.device_mesh import _mesh_resources
 from torch.distributed.tensor._dispatch import OpDispatcher
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -26,6 +27,7 @@ __all__ = [
     "_mesh_resources",
     "compute_global_tensor_info",
     "compute_local_shape_and_global_offset",
+    "maybe_run_for_local_tensor",
     "register_opaque_type",
     "upstream_redistribute_local_tensor",
 ]
@@ -33,11 +35,14 @@ __all__ = [
 # Private attributes (not importable names) we read or set:
 #   DeviceMesh._dim_group_names, DeviceMesh._pg_registry   (mesh from an existing group)
 #   DeviceMesh.__init__(..., _init_backend=False, _rank=...) (meta meshes, sub-meshes)
+#   DeviceMesh._sym_get_coordinate                         (per-rank coordinate, LocalTensorMode)
 #   OpDispatcher.wrap                                        (op outputs become vescale.DTensor)
 #   DTensor._local_tensor, DTensor._spec                     (the DTensor payload)
 PRIVATE_ATTRIBUTES = (
     ("DeviceMesh", "_dim_group_names"),
     ("DeviceMesh", "_pg_registry"),
+    ("DeviceMesh", "_rank"),
+    ("DeviceMesh", "_sym_get_coordinate"),
     ("OpDispatcher", "wrap"),
     ("DTensor", "_local_tensor"),
     ("DTensor", "_spec"),

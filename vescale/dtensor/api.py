@@ -72,7 +72,8 @@ def chunk_sizes(total: int, n: int) -> list[int]:
 
 def _global_stride(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]:
     """Strides of a dense global tensor of ``shape`` with ``local``'s dimension order."""
-    order = sorted(range(local.ndim), key=lambda d: -local.stride(d))
+    strides = local.stride()
+    order = sorted(range(local.ndim), key=lambda d: -strides[d])
     stride = [0] * local.ndim
     acc = 1
     for d in reversed(order):
@@ -84,7 +85,9 @@ def _global_stride(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]
 def _comm_device(mesh: Any) -> torch.device:
     if mesh.device_type == "cpu":
         return torch.device("cpu")
-    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+    return torch.device(
+        mesh.device_type, torch.get_device_module(mesh.device_type).current_device()
+    )
 
 
 def _gathered_global_shape(
@@ -110,13 +113,19 @@ def _gathered_global_shape(
     return shape
 
 
-def _broadcast_replicated(local: torch.Tensor, mesh: Any, placements: Sequence[Placement]) -> torch.Tensor:
+def _broadcast_replicated(
+    local: torch.Tensor, mesh: Any, placements: Sequence[Placement]
+) -> torch.Tensor:
     """``local`` made identical along Replicate mesh dims (coordinate 0's data); never in place."""
     out = wait_local(local)
     for mesh_dim, p in enumerate(placements):
         if p.is_replicate() and mesh.size(mesh_dim) > 1:
             src = mesh.get_local_rank(mesh_dim) == 0
-            buf = out.contiguous() if src else torch.empty_like(out, memory_format=torch.contiguous_format)
+            buf = (
+                out.contiguous()
+                if src
+                else torch.empty_like(out, memory_format=torch.contiguous_format)
+            )
             dist.broadcast(buf, group=mesh.get_group(mesh_dim), group_src=0)
             out = buf
     return out
@@ -227,7 +236,7 @@ def distribute_tensor(
     )._local_tensor
     for mesh_dim, p in enumerate(pl):
         if p.is_partial():
-            local = replicate_to_partial(local, p.reduce_op, mesh.get_local_rank(mesh_dim))  # type: ignore[attr-defined]
+            local = replicate_to_partial(local, p.reduce_op, mesh._sym_get_coordinate(mesh_dim))  # type: ignore[attr-defined]
     spec = make_spec(mesh, pl, tensor.shape, tensor.stride(), tensor.dtype)
     return DTensor(local.detach(), spec, requires_grad=tensor.requires_grad)  # type: ignore[call-arg]
 

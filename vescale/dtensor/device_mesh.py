@@ -55,6 +55,10 @@ class DeviceMesh(_UpstreamDeviceMesh):
             upstream_kwargs.setdefault("_rank", dist.get_rank() if dist.is_initialized() else 0)
         super().__init__(device_type, mesh, mesh_dim_names=mesh_dim_names, **upstream_kwargs)
 
+    def get_rank(self) -> int:
+        """This process's global rank (a meta mesh answers without a process group)."""
+        return int(self._rank) if self.device_type == "meta" else super().get_rank()
+
     @staticmethod
     def from_group(*args: Any, **kwargs: Any) -> DeviceMesh:  # type: ignore[override]
         """As upstream ``DeviceMesh.from_group``, returning a ``vescale.DeviceMesh``."""

@@ -99,9 +99,7 @@ def normalize_placements(
     if placements is None:
         return (Replicate(),) * mesh.ndim
     if isinstance(placements, Placement) or not isinstance(placements, Sequence):
-        raise TypeError(
-            f"{what}: placements must be a sequence of Placement, got {placements!r}"
-        )
+        raise TypeError(f"{what}: placements must be a sequence of Placement, got {placements!r}")
     out: list[Placement] = []
     for i, p in enumerate(placements):
         if not isinstance(p, Placement):

@@ -14,6 +14,7 @@ import torch
 from vescale.dtensor._torch_compat import (
     AsyncCollectiveTensor,
     DTensorSpec,
+    maybe_run_for_local_tensor,
     upstream_redistribute_local_tensor,
 )
 from vescale.dtensor.placement_types import Partial, Placement, Replicate
@@ -26,8 +27,9 @@ def wait_local(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
+@maybe_run_for_local_tensor  # rank-dependent: run per simulated rank under LocalTensorMode
 def replicate_to_partial(
-    local: torch.Tensor, reduce_op: str, coordinate: int
+    local: torch.Tensor, reduce_op: str, coordinate: int | torch.SymInt
 ) -> torch.Tensor:
     """Local partition of a replicated value so that ``reduce_op`` over ranks restores it."""
     if reduce_op in ("avg", "max", "min") or coordinate == 0:
@@ -48,9 +50,7 @@ def redistribute_local_tensor(
 ) -> torch.Tensor:
     """The local shard of ``local`` (laid out as ``src``) laid out as ``dst``."""
     if src.mesh != dst.mesh:
-        raise ValueError(
-            f"redistribute: cannot move between meshes {src.mesh} and {dst.mesh}"
-        )
+        raise ValueError(f"redistribute: cannot move between meshes {src.mesh} and {dst.mesh}")
     if src.placements == dst.placements:
         return local
     mid: tuple[Placement, ...] = tuple(
@@ -65,7 +65,5 @@ def redistribute_local_tensor(
     for mesh_dim, (m, d) in enumerate(zip(mid, dst.placements)):
         if m != d:
             assert isinstance(d, Partial)
-            local = replicate_to_partial(
-                local, d.reduce_op, src.mesh.get_local_rank(mesh_dim)
-            )
+            local = replicate_to_partial(local, d.reduce_op, src.mesh._sym_get_coordinate(mesh_dim))
     return local

@@ -1,0 +1,37 @@
+"""The ``vescale`` torch.compile backend is reachable by name, with or without importing vescale."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import vescale  # noqa: F401
+
+
+def test_backend_by_name_in_process():
+    f = torch.compile(lambda x: torch.sin(x) * 2, backend="vescale")
+    x = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    y = f(x)
+    y.sum().backward()
+    assert torch.allclose(y, torch.sin(x) * 2)
+    assert torch.allclose(x.grad, 2 * torch.cos(x))
+
+
+def test_backend_entry_point_without_import():
+    code = textwrap.dedent(
+        """
+        import torch
+        f = torch.compile(lambda x: x.relu() + 1, backend="vescale")
+        x = torch.randn(4)
+        assert torch.equal(f(x), x.relu() + 1)
+        import vescale  # importing afterwards must not clash with the entry point
+        g = torch.compile(lambda x: x * 3, backend="vescale")
+        assert torch.equal(g(x), x * 3)
+        print("OK")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
