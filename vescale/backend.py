@@ -14,6 +14,8 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import register_backend
 from torch._functorch.aot_autograd import make_boxed_func
 
+from vescale.dtensor._torch_compat import DYNAMO_COMPILER_FNS
+
 __all__ = ["register", "vescale_backend"]
 
 BACKEND_NAME = "vescale"
@@ -39,7 +41,5 @@ def register() -> None:
     """
     if any(ep.name == BACKEND_NAME for ep in entry_points(group="torch_dynamo_backends")):
         return
-    from torch._dynamo.backends.registry import _COMPILER_FNS
-
-    if BACKEND_NAME not in _COMPILER_FNS:
+    if BACKEND_NAME not in DYNAMO_COMPILER_FNS:
         register_backend(vescale_backend, name=BACKEND_NAME)

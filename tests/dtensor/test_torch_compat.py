@@ -10,7 +10,12 @@ from torch.distributed.tensor import DTensor
 
 from vescale.dtensor import _torch_compat as compat
 
-OWNERS = {"DeviceMesh": DeviceMesh, "DTensor": DTensor, "OpDispatcher": compat.OpDispatcher}
+OWNERS = {
+    "DeviceMesh": DeviceMesh,
+    "DTensor": DTensor,
+    "OpDispatcher": compat.OpDispatcher,
+    "ExplicitRedistributionContext": compat.ExplicitRedistributionContext,
+}
 
 
 def test_private_names_import():

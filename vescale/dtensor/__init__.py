@@ -25,3 +25,8 @@ __all__ = [
     "redistribute_dtensor",
     "to_local",
 ]
+
+from vescale.dtensor import ops  # noqa: F401  (registers vescale op behaviour)
+from vescale.dtensor.dispatch import explicit_redistribute
+
+__all__ += ["explicit_redistribute"]

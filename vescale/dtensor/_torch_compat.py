@@ -4,30 +4,40 @@ A torch upgrade that moves or renames one of these fails here, loudly, and
 ``tests/dtensor/test_torch_compat.py`` pins the shapes we rely on.
 """
 
+from torch._dynamo.backends.registry import _COMPILER_FNS as DYNAMO_COMPILER_FNS
 from torch._library.opaque_object import MemberType, register_opaque_type
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.device_mesh import _mesh_resources
+from torch.distributed.tensor._collective_utils import redistribute_cost
 from torch.distributed.tensor._dispatch import OpDispatcher
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpInfo, OpSchema, OutputSharding
 from torch.distributed.tensor._redistribute import (
     redistribute_local_tensor as upstream_redistribute_local_tensor,
 )
 from torch.distributed.tensor._utils import (
+    ExplicitRedistributionContext,
     compute_global_tensor_info,
     compute_local_shape_and_global_offset,
 )
 
 __all__ = [
+    "DYNAMO_COMPILER_FNS",
     "AsyncCollectiveTensor",
     "DTensorSpec",
+    "ExplicitRedistributionContext",
     "MemberType",
     "OpDispatcher",
+    "OpInfo",
+    "OpSchema",
+    "OutputSharding",
     "TensorMeta",
     "_mesh_resources",
     "compute_global_tensor_info",
     "compute_local_shape_and_global_offset",
     "maybe_run_for_local_tensor",
+    "redistribute_cost",
     "register_opaque_type",
     "upstream_redistribute_local_tensor",
 ]
@@ -36,6 +46,10 @@ __all__ = [
 #   DeviceMesh._dim_group_names, DeviceMesh._pg_registry   (mesh from an existing group)
 #   DeviceMesh.__init__(..., _init_backend=False, _rank=...) (meta meshes, sub-meshes)
 #   DeviceMesh._sym_get_coordinate                         (per-rank coordinate, LocalTensorMode)
+#   OpDispatcher._custom_op_handlers, unwrap_to_op_info, sharding_propagator.propagate,
+#     _dispatch_get_local_results_slow_path, _dispatch_fast_path_python_tail
+#                                                          (per-op hooks, Python dispatch)
+#   ExplicitRedistributionContext.observe_redistribution   (explicit-redistribution mode)
 #   OpDispatcher.wrap                                        (op outputs become vescale.DTensor)
 #   DTensor._local_tensor, DTensor._spec                     (the DTensor payload)
 PRIVATE_ATTRIBUTES = (
@@ -44,6 +58,11 @@ PRIVATE_ATTRIBUTES = (
     ("DeviceMesh", "_rank"),
     ("DeviceMesh", "_sym_get_coordinate"),
     ("OpDispatcher", "wrap"),
+    ("OpDispatcher", "unwrap_to_op_info"),
+    ("OpDispatcher", "_dispatch_get_local_results_slow_path"),
+    ("OpDispatcher", "_dispatch_fast_path_python_tail"),
+    ("OpDispatcher", "_custom_op_handlers"),
+    ("ExplicitRedistributionContext", "observe_redistribution"),
     ("DTensor", "_local_tensor"),
     ("DTensor", "_spec"),
 )

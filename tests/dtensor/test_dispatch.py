@@ -1,0 +1,164 @@
+"""Dispatch extension points, built-in hooks and explicit-redistribution mode on gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
+
+import vescale
+from tests.dtensor.reference import coord_of, expected_local, mesh_of
+from vescale import DTensor, Partial, Replicate, Shard
+from vescale.dtensor import dispatch
+
+aten = torch.ops.aten
+
+
+def _dt(full, placements, mesh_shape=(4,)):
+    return vescale.distribute_tensor(full, mesh_of(mesh_shape), placements)
+
+
+def _check_hooks():
+    full_a, full_b = torch.randn(8, 4), torch.randn(8, 4)
+    a, b = _dt(full_a, [Shard(0)]), _dt(full_b, [Shard(0)])
+    calls = []
+
+    @dispatch.bypass_dispatch(aten.relu.default)
+    def fake_relu(op, args, kwargs):
+        calls.append(op)
+        x = args[0]
+        return DTensor.from_local(x.to_local().abs(), x.device_mesh, x.placements, run_check=False)
+
+    try:
+        assert torch.equal(torch.relu(a).full_tensor(), full_a.abs())
+        assert calls == [aten.relu.default]
+        assert torch.equal(
+            torch.sigmoid(a).full_tensor(), torch.sigmoid(full_a)
+        )  # other op untouched
+    finally:
+        dispatch.unregister_bypass_dispatch(aten.relu.default)
+    assert torch.equal(torch.relu(a).full_tensor(), torch.relu(full_a)) and len(calls) == 1
+
+    @dispatch.pre_dispatch_patch(aten.add.Tensor)
+    def double_rhs(op, args, kwargs):
+        return (args[0], args[1] * 2), kwargs
+
+    @dispatch.post_dispatch_patch(aten.add.Tensor)
+    def times_three(op, out):
+        return out * 3
+
+    try:  # pre + post compose on one op
+        assert torch.allclose((a + b).full_tensor(), (full_a + 2 * full_b) * 3)
+        assert torch.allclose((a - b).full_tensor(), full_a - full_b)
+    finally:
+        dispatch.unregister_pre_dispatch_patch(aten.add.Tensor)
+    assert torch.allclose((a + b).full_tensor(), (full_a + full_b) * 3)  # post only
+    dispatch.unregister_post_dispatch_patch(aten.add.Tensor)
+    assert torch.allclose((a + b).full_tensor(), full_a + full_b)
+
+    r = _dt(full_a, [Replicate()])
+
+    @dispatch._bypass_for_sharding_prop(aten.neg.default)  # legacy name
+    def neg_is_partial(schema):
+        return (Partial(),)
+
+    try:
+        with CommDebugMode() as comm:
+            out = torch.neg(r)
+        assert comm.get_total_counts() == 0
+        assert tuple(out.placements) == (Partial(),) and out.shape == (8, 4)
+        assert torch.equal(out.to_local(), -full_a)  # the local op ran on the inputs as given
+    finally:
+        dispatch.unregister_bypass_sharding_prop(aten.neg.default)
+    assert tuple(torch.neg(r).placements) == (Replicate(),)
+    assert dispatch._pre_patch_for_dispatch is dispatch.pre_dispatch_patch
+    assert dispatch._post_patch_for_dispatch is dispatch.post_dispatch_patch
+    assert dispatch._bypass_for_dispatch is dispatch.bypass_dispatch
+    with pytest.raises(TypeError, match="expected an OpOverload"):
+        dispatch.bypass_dispatch(aten.relu)(fake_relu)
+
+
+def _check_builtins():
+    rank = dist.get_rank()
+    full = torch.arange(16.0).reshape(8, 2)
+    s, r = _dt(full, [Shard(0)]), _dt(full, [Replicate()])
+    with CommDebugMode() as comm:
+        assert torch.ops.aten.is_same_size(s, r)
+        assert torch.equal(r, r.clone())
+    assert comm.get_total_counts() == 0
+    assert torch.equal(s, s.clone())
+    other = full.clone()
+    other[7, 1] = -1  # differs only in the last rank's shard
+    assert not torch.equal(s, _dt(other, [Shard(0)]))
+    assert not torch.equal(s, _dt(torch.zeros(4, 2), [Shard(0)]))  # shape, from metadata
+    tp = mesh_of((2, 2)).get_submesh([1])  # equal on a sub-mesh talks to it only
+    local = torch.tensor([float(rank % 2)]) if rank < 2 else torch.tensor([9.0 + rank % 2])
+    x = vescale.from_local(local, tp, [Shard(0)])
+    assert torch.equal(x, vescale.from_local(local.clone(), tp, [Shard(0)]))
+    p = _dt(full, [Partial()])
+    assert tuple(p.to(torch.float64).placements) == (Partial(),)
+    assert p.to(torch.float64).dtype == torch.float64
+    assert r.sum().item() == full.sum().item()  # .item() reads the local value
+    vals = torch.tensor([3.0, 0.0, 3.0, 1.0, 0.0, 2.0])
+    rv = _dt(vals, [Replicate()])
+    assert torch.equal(torch.nonzero(rv).to_local(), torch.nonzero(vals))
+    u, inv, cnt = torch.unique(rv, return_inverse=True, return_counts=True)
+    eu, einv, ecnt = torch.unique(vals, return_inverse=True, return_counts=True)
+    assert torch.equal(u.to_local(), eu) and torch.equal(inv.to_local(), einv)
+    assert torch.equal(cnt.to_local(), ecnt) and u.shape == eu.shape
+    with pytest.raises(
+        RuntimeError,
+        match=r"aten.nonzero.default: supported on Replicate inputs only, got \(Shard\(dim=0\),\)",
+    ):
+        torch.nonzero(_dt(vals, [Shard(0)]))
+
+
+def _check_explicit_mode(mode):
+    coord = coord_of((4,))
+    fa, fb = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    a, b = _dt(fa, [Shard(0)]), _dt(fb, [Shard(0)])
+    c = _dt(fb, [Shard(1)])
+    if mode == "env-on":
+        with pytest.raises(RuntimeError) as err:
+            a @ b
+        msg = str(err.value)
+        assert "aten.mm.default" in msg and "from (Shard(dim=0),) to (Replicate(),)" in msg
+        assert "DeviceMesh((4,)" in msg and "VESCALE_DISABLE_REDISTRIBUTE=1" in msg
+        with pytest.raises(
+            RuntimeError,
+            match=r"aten.add.Tensor: implicit redistribution of an input from \(Shard\(dim=1\),\) to \(Shard\(dim=0\),\)",
+        ):
+            a + c
+        out = a @ b.redistribute(placements=[Replicate()])  # the same program, explicit
+        assert torch.allclose(out.full_tensor(), fa @ fb)
+        total = a + c.redistribute(placements=[Shard(0)])
+        assert torch.allclose(total.full_tensor(), fa + fb)
+        r = _dt(fb, [Replicate()])
+        assert torch.allclose((a + r).full_tensor(), fa + fb)  # Replicate -> Shard is local
+        with vescale.dtensor.explicit_redistribute(False):
+            assert torch.allclose((a @ b).full_tensor(), fa @ fb)
+    else:  # env off; the context manager turns it back on
+        assert torch.allclose((a @ b).full_tensor(), fa @ fb)
+        assert torch.allclose((a + c).full_tensor(), fa + fb)
+        assert torch.allclose(
+            (a + c).to_local(), expected_local(fa + fb, (4,), coord, (a + c).placements)
+        )
+        with (
+            vescale.dtensor.explicit_redistribute(True),
+            pytest.raises(RuntimeError, match=r"aten\.mm\.default"),
+        ):
+            a @ b
+
+
+def test_hooks_change_only_their_op_and_unregister(pool4):
+    pool4.run(_check_hooks)
+
+
+def test_builtin_hooks(pool4):
+    pool4.run(_check_builtins)
+
+
+def test_explicit_mode_default_and_context(pool4):
+    pool4.run(_check_explicit_mode, "env-on")
+    pool4.run(_check_explicit_mode, "env-off", env={"VESCALE_DISABLE_REDISTRIBUTE": "0"})

@@ -1,0 +1,284 @@
+"""Dispatch extension points and the explicit-redistribution mode.
+
+Hooks live in upstream's per-op handler table (``OpDispatcher._custom_op_handlers``), which
+the C++ dispatcher consults for every op: an op without a vescale hook keeps upstream's
+C++ fast path and pays nothing. A hooked op runs:
+
+    pre_dispatch_patch* -> (bypass_dispatch | dispatch with bypass_sharding_prop) -> post_dispatch_patch*
+
+Explicit mode (``VESCALE_DISABLE_REDISTRIBUTE``, default ``"1"``, or
+:func:`explicit_redistribute`): an op whose inputs would need a redistribution that
+communicates raises ``RuntimeError`` naming the op, the input placements and the placements
+the strategy wanted. Local steps (e.g. Replicate -> Shard) stay allowed; explicit
+``redistribute()`` calls always are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor as _UpstreamDTensor
+from torch.utils._python_dispatch import return_and_correct_aliasing
+
+from vescale.dtensor._torch_compat import (
+    DTensorSpec,
+    ExplicitRedistributionContext,
+    OpSchema,
+    OutputSharding,
+    TensorMeta,
+    compute_global_tensor_info,
+    redistribute_cost,
+)
+from vescale.dtensor.placement_types import Placement
+
+__all__ = [
+    "_bypass_for_dispatch",
+    "_bypass_for_sharding_prop",
+    "_post_patch_for_dispatch",
+    "_pre_patch_for_dispatch",
+    "bypass_dispatch",
+    "bypass_sharding_prop",
+    "explicit_redistribute",
+    "explicit_redistribute_enabled",
+    "post_dispatch_patch",
+    "pre_dispatch_patch",
+    "unregister_bypass_dispatch",
+    "unregister_bypass_sharding_prop",
+    "unregister_post_dispatch_patch",
+    "unregister_pre_dispatch_patch",
+]
+
+OpOverload = torch._ops.OpOverload
+Handler = Callable[[OpOverload, tuple[Any, ...], dict[str, Any]], Any]
+PrePatch = Callable[
+    [OpOverload, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]
+]
+PostPatch = Callable[[OpOverload, Any], Any]
+PropFn = Callable[[OpSchema], Any]
+
+_dispatcher = _UpstreamDTensor._op_dispatcher
+_handlers: dict[OpOverload, Any] = _dispatcher._custom_op_handlers
+_upstream_handlers: dict[OpOverload, Any] = dict(_handlers)
+
+_bypass: dict[OpOverload, Handler] = {}
+_pre: dict[OpOverload, list[PrePatch]] = {}
+_post: dict[OpOverload, list[PostPatch]] = {}
+_prop: dict[OpOverload, PropFn] = {}
+
+
+def _ops(op: OpOverload | Sequence[OpOverload]) -> list[OpOverload]:
+    ops: list[Any] = list(op) if isinstance(op, list | tuple) else [op]
+    for o in ops:
+        if not isinstance(o, OpOverload):
+            raise TypeError(
+                f"dispatch hook: expected an OpOverload such as torch.ops.aten.mm.default, "
+                f"got {o!r}"
+            )
+    return ops
+
+
+def _reinstall(op: OpOverload) -> None:
+    """Point the upstream handler table at the composition of ``op``'s hooks."""
+    if not (op in _bypass or op in _pre or op in _post or op in _prop):
+        if op in _upstream_handlers:
+            _handlers[op] = _upstream_handlers[op]
+        else:
+            _handlers.pop(op, None)
+    elif op in _bypass and op not in _pre and op not in _post:
+        _handlers[op] = _bypass[op]  # the user's handler itself: no extra layer
+    else:
+        _handlers[op] = _hooked
+
+
+def _hooked(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    for pre in _pre.get(op, ()):
+        args, kwargs = pre(op, args, kwargs)
+    if op in _bypass:
+        out = _bypass[op](op, args, kwargs)
+    elif op in _prop or op not in _upstream_handlers:
+        out = python_dispatch(op, args, kwargs, _prop.get(op))
+    else:
+        out = _upstream_handlers[op](op, args, kwargs)
+    for post in _post.get(op, ()):
+        out = post(op, out)
+    return out
+
+
+def _meta_from_local(local: Any, spec: DTensorSpec) -> DTensorSpec:
+    if spec.tensor_meta is not None or not isinstance(local, torch.Tensor):
+        return spec
+    shape, stride = compute_global_tensor_info(local, spec.mesh, spec.placements)
+    meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+    return DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
+
+
+def _as_output_spec(out: Any, mesh: Any) -> Any:
+    if out is None or isinstance(out, DTensorSpec):
+        return out
+    if isinstance(out, list | tuple) and out and all(isinstance(p, Placement) for p in out):
+        return DTensorSpec(mesh, tuple(out))
+    if isinstance(out, list | tuple):
+        return tuple(_as_output_spec(o, mesh) for o in out)
+    raise TypeError(f"bypass_sharding_prop: expected placements or DTensorSpec(s), got {out!r}")
+
+
+def python_dispatch(
+    op: OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    propagate: PropFn | None = None,
+) -> Any:
+    """Upstream's dispatch steps in Python; ``propagate(op_schema)`` replaces the strategy
+    search when given (its specs may omit tensor meta: it is then taken from the local result,
+    assuming even shards)."""
+    op_info = _dispatcher.unwrap_to_op_info(op, args, kwargs)
+    mesh, schema = op_info.compute_mesh, op_info.schema
+    assert schema is not None  # unwrap_to_op_info always builds the schema
+    if propagate is None:
+        _dispatcher.sharding_propagator.propagate(op_info)
+    else:
+        op_info.output_sharding = OutputSharding(_as_output_spec(propagate(schema), mesh))
+    local: Any = _dispatcher._dispatch_get_local_results_slow_path(op, args, op_info)
+    sharding = op_info.output_sharding
+    assert sharding is not None
+    if propagate is not None:
+        spec = sharding.output_spec
+        if isinstance(spec, DTensorSpec):
+            sharding.output_spec = _meta_from_local(local, spec)
+        elif isinstance(spec, tuple):
+            sharding.output_spec = tuple(
+                _meta_from_local(r, s) if isinstance(s, DTensorSpec) else s
+                for r, s in zip(local, spec)
+            )
+    participating = mesh._is_current_rank_part_of_mesh()
+    inplace, out_variant = schema.is_inplace_op(), schema.is_out_variant_op()
+    if sharding.output_spec is None or inplace or out_variant:
+        return _dispatcher._dispatch_fast_path_python_tail(
+            op, args, kwargs, mesh, sharding, local, participating, inplace, out_variant
+        )
+    out = _dispatcher.wrap(local, sharding.output_spec)
+    if participating and op._schema._is_view_op():
+        return return_and_correct_aliasing(op, args, kwargs, out)
+    return out
+
+
+def _register(table: dict[OpOverload, Any], op: Any, fn: Any, *, stack: bool) -> Any:
+    for o in _ops(op):
+        if stack:
+            table.setdefault(o, []).append(fn)
+        else:
+            table[o] = fn
+        _reinstall(o)
+    return fn
+
+
+def _unregister(table: dict[OpOverload, Any], op: Any) -> None:
+    for o in _ops(op):
+        table.pop(o, None)
+        _reinstall(o)
+
+
+def bypass_dispatch(op: OpOverload | Sequence[OpOverload]) -> Callable[[Handler], Handler]:
+    """``@bypass_dispatch(op)``: ``handler(op, args, kwargs) -> result`` replaces DTensor dispatch."""
+    return lambda fn: _register(_bypass, op, fn, stack=False)
+
+
+def pre_dispatch_patch(op: OpOverload | Sequence[OpOverload]) -> Callable[[PrePatch], PrePatch]:
+    """``@pre_dispatch_patch(op)``: ``fn(op, args, kwargs) -> (args, kwargs)`` runs before dispatch."""
+    return lambda fn: _register(_pre, op, fn, stack=True)
+
+
+def post_dispatch_patch(op: OpOverload | Sequence[OpOverload]) -> Callable[[PostPatch], PostPatch]:
+    """``@post_dispatch_patch(op)``: ``fn(op, out) -> out`` runs after dispatch."""
+    return lambda fn: _register(_post, op, fn, stack=True)
+
+
+def bypass_sharding_prop(op: OpOverload | Sequence[OpOverload]) -> Callable[[PropFn], PropFn]:
+    """``@bypass_sharding_prop(op)``: ``fn(op_schema) -> output placements or spec(s)``
+    replaces the strategy search; the local op still runs on the inputs as they are."""
+    return lambda fn: _register(_prop, op, fn, stack=False)
+
+
+def unregister_bypass_dispatch(op: OpOverload | Sequence[OpOverload]) -> None:
+    """Remove ``op``'s bypass handler (upstream behaviour returns)."""
+    _unregister(_bypass, op)
+
+
+def unregister_pre_dispatch_patch(op: OpOverload | Sequence[OpOverload]) -> None:
+    """Remove all of ``op``'s pre-dispatch patches."""
+    _unregister(_pre, op)
+
+
+def unregister_post_dispatch_patch(op: OpOverload | Sequence[OpOverload]) -> None:
+    """Remove all of ``op``'s post-dispatch patches."""
+    _unregister(_post, op)
+
+
+def unregister_bypass_sharding_prop(op: OpOverload | Sequence[OpOverload]) -> None:
+    """Remove ``op``'s sharding-propagation bypass."""
+    _unregister(_prop, op)
+
+
+# veScale's legacy names.
+_bypass_for_dispatch = bypass_dispatch
+_pre_patch_for_dispatch = pre_dispatch_patch
+_post_patch_for_dispatch = post_dispatch_patch
+_bypass_for_sharding_prop = bypass_sharding_prop
+
+
+# ---- explicit redistribution ------------------------------------------------------------
+
+_explicit = threading.local()
+
+
+def explicit_redistribute_enabled() -> bool:
+    """Whether implicit redistribution is forbidden here (context manager, else env var)."""
+    value = getattr(_explicit, "enabled", None)
+    if value is None:
+        return os.environ.get("VESCALE_DISABLE_REDISTRIBUTE", "1") != "0"
+    return bool(value)
+
+
+@contextlib.contextmanager
+def explicit_redistribute(enabled: bool = True) -> Iterator[None]:
+    """Forbid (``True``) or allow (``False``) implicit redistribution in this scope and thread,
+    overriding ``VESCALE_DISABLE_REDISTRIBUTE``."""
+    prev = getattr(_explicit, "enabled", None)
+    _explicit.enabled = enabled
+    try:
+        yield
+    finally:
+        _explicit.enabled = prev
+
+
+def _op_of(msg: Any) -> str:
+    """The op named by upstream's lazy message (an OpSchema, or the op on the C++ fast path)."""
+    subject = getattr(msg, "args", (None,))[0]
+    return str(subject if isinstance(subject, OpOverload) else getattr(subject, "op", subject))
+
+
+_upstream_observe = ExplicitRedistributionContext.observe_redistribution
+
+
+def _observe_redistribution(
+    cls: type, src_spec: DTensorSpec, dst_spec: DTensorSpec, redistribution_msg: Any
+) -> None:
+    if explicit_redistribute_enabled() and redistribute_cost(src_spec, dst_spec) > 0:
+        op = _op_of(redistribution_msg)
+        raise RuntimeError(
+            f"{op}: implicit redistribution of an input from {tuple(src_spec.placements)} to "
+            f"{tuple(dst_spec.placements)} on {src_spec.mesh} (global shape "
+            f"{tuple(src_spec.shape)}) is forbidden: explicit mode is on "
+            f"(VESCALE_DISABLE_REDISTRIBUTE=1). Call .redistribute(placements="
+            f"{list(dst_spec.placements)}) on it first, or allow it with "
+            f"vescale.dtensor.explicit_redistribute(False)."
+        )
+    _upstream_observe(src_spec, dst_spec, redistribution_msg)
+
+
+ExplicitRedistributionContext.observe_redistribution = classmethod(_observe_redistribution)  # type: ignore[method-assign,assignment]
