@@ -1,0 +1,122 @@
+"""Eager per-op dispatch cost: plain torch vs upstream DTensor vs vescale DTensor.
+
+    python benchmarks/dispatch_overhead.py [--batches 300 --calls 20]
+
+Each variant runs in its own process (upstream without vescale imported, since importing
+vescale changes what every DTensor op returns), on the single-process ``fake`` process
+group with a 2-rank mesh, one thread, 64x64 float32 CPU tensors. A figure is the median over
+``batches`` of the mean time of ``calls`` back-to-back calls, in microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+OPS = ["add", "mul", "relu", "mm", "addmm", "view", "sum", "layer_norm", "softmax"]
+PLACEMENTS = ["Replicate", "Shard(0)"]
+VARIANTS = ["torch", "upstream", "vescale", "vescale+hook"]
+
+
+def _op_fns(torch: Any, F: Any, x: Any, y: Any, c: Any, w: Any, *, sharded: bool) -> dict[str, Any]:
+    return {
+        "add": lambda: x + x,
+        "mul": lambda: x * x,
+        "relu": lambda: torch.relu(x),
+        "mm": lambda: torch.mm(x, y),
+        "addmm": lambda: torch.addmm(c, x, y),
+        "view": lambda: x.view(-1, 32, 2) if sharded else x.view(4096),
+        "sum": lambda: x.sum(),
+        "layer_norm": lambda: F.layer_norm(x, (64,), w),
+        "softmax": lambda: torch.softmax(x, -1),
+    }
+
+
+def _worker(variant: str, batches: int, calls: int) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if variant.startswith("vescale"):
+        from vescale import Replicate, Shard, distribute_tensor, init_device_mesh
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    if variant == "vescale+hook":  # a hook on an op the benchmark never calls
+        from vescale.dtensor.dispatch import pre_dispatch_patch
+
+        pre_dispatch_patch(torch.ops.aten.cos.default)(lambda op, args, kwargs: (args, kwargs))
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    a, b, bias = torch.randn(64, 64), torch.randn(64, 64), torch.randn(64)
+    ln_w = torch.ones(64)
+    results: dict[str, float] = {}
+    for pname in PLACEMENTS:
+        if variant == "torch":
+            x, y, c, w = a, b, bias, ln_w
+        else:
+            place = [Replicate()] if pname == "Replicate" else [Shard(0)]
+            x = distribute_tensor(a, mesh, place)
+            y = distribute_tensor(b, mesh, [Replicate()])
+            c = distribute_tensor(bias, mesh, [Replicate()])
+            w = distribute_tensor(ln_w, mesh, [Replicate()])
+        fns = _op_fns(torch, F, x, y, c, w, sharded=pname != "Replicate")
+        for op in OPS:
+            fn = fns[op]
+            for _ in range(200):
+                fn()
+            means = []
+            for _ in range(batches):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                means.append((time.perf_counter() - t0) / calls * 1e6)
+            results[f"{op}/{pname}"] = statistics.median(means)
+    dist.destroy_process_group()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", choices=VARIANTS)
+    parser.add_argument("--batches", type=int, default=300)
+    parser.add_argument("--calls", type=int, default=20)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(_worker(args.worker, args.batches, args.calls)))
+        return
+    runs = {}
+    for variant in VARIANTS:
+        cmd = [sys.executable, __file__, "--worker", variant]
+        cmd += ["--batches", str(args.batches), "--calls", str(args.calls)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        runs[variant] = json.loads(out.strip().splitlines()[-1])
+    head = f"{'op':<11} {'placement':<10} {'torch':>7} {'upstream':>9} {'vescale':>8} {'v+hook':>7}"
+    print(head + f" {'vescale/up':>10} {'hook/up':>8}")
+    ratios, hook_ratios = [], []
+    for key in runs["upstream"]:
+        op, pname = key.split("/")
+        t, u, v, h = (runs[k][key] for k in VARIANTS)
+        ratios.append(v / u)
+        hook_ratios.append(h / u)
+        print(
+            f"{op:<11} {pname:<10} {t:>7.2f} {u:>9.2f} {v:>8.2f} {h:>7.2f} {v / u:>10.2f} {h / u:>8.2f}"
+        )
+    print(
+        f"median over {len(ratios)} op/placement pairs: vescale/upstream = "
+        f"{statistics.median(ratios):.2f}x, vescale+hook/upstream = "
+        f"{statistics.median(hook_ratios):.2f}x (microseconds per call)"
+    )
+
+
+if __name__ == "__main__":
+    main()
