@@ -7,6 +7,7 @@ A torch upgrade that moves or renames one of these fails here, loudly, and
 from torch._dynamo.backends.registry import _COMPILER_FNS as DYNAMO_COMPILER_FNS
 from torch._library.opaque_object import MemberType, register_opaque_type
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed._functional_collectives import _are_we_tracing as are_we_tracing
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.device_mesh import _mesh_resources
 from torch.distributed.tensor._collective_utils import redistribute_cost
@@ -34,6 +35,7 @@ __all__ = [
     "OutputSharding",
     "TensorMeta",
     "_mesh_resources",
+    "are_we_tracing",
     "compute_global_tensor_info",
     "compute_local_shape_and_global_offset",
     "maybe_run_for_local_tensor",

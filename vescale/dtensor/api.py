@@ -24,6 +24,7 @@ from torch.distributed.tensor import distribute_tensor as _upstream_distribute_t
 from vescale.dtensor._torch_compat import (
     DTensorSpec,
     _mesh_resources,
+    are_we_tracing,
     compute_global_tensor_info,
     compute_local_shape_and_global_offset,
 )
@@ -259,7 +260,9 @@ def from_local(
     the local sizes along every sharded mesh dim (one small all-gather per such dim);
     ``support_uneven=False`` assumes even shards (no communication). ``run_check`` makes
     Replicate data consistent by broadcasting coordinate 0's local tensor (never in place).
-    ``async_input=False`` waits an in-flight async collective input first.
+    ``async_input=False`` waits an in-flight async collective input first. Inside
+    ``torch.compile`` nothing is communicated: shards are assumed even unless ``shape`` and
+    ``stride`` are given, and ``run_check`` is skipped.
     """
     if isinstance(local_tensor, _UpstreamDTensor):
         raise TypeError(
@@ -281,16 +284,22 @@ def from_local(
     )
     if not async_input:
         local_tensor = wait_local(local_tensor)
+    tracing = are_we_tracing()  # no data-dependent communication inside a compiled graph
     if shape is not None:
         gshape, gstride = torch.Size(shape), tuple(stride)  # type: ignore[arg-type]
-    elif support_uneven and mesh.device_type != "meta" and any(p.is_shard() for p in pl):
+    elif (
+        support_uneven
+        and not tracing
+        and mesh.device_type != "meta"
+        and any(p.is_shard() for p in pl)
+    ):
         gshape = torch.Size(_gathered_global_shape(local_tensor, mesh, pl))
         gstride = _global_stride(local_tensor, gshape)
     else:
         s, st = compute_global_tensor_info(local_tensor, mesh, pl)
         gshape, gstride = torch.Size(s), tuple(st)
     spec = make_spec(mesh, pl, gshape, gstride, local_tensor.dtype)
-    if mesh.get_coordinate() is not None:
+    if not tracing and mesh.get_coordinate() is not None:
         expected = _local_shape(spec)
         if tuple(local_tensor.shape) != expected:
             raise ValueError(
@@ -298,7 +307,7 @@ def from_local(
                 f"shard {expected} of global shape {tuple(gshape)} with placements {pl} on {mesh}"
             )
     run_check = run_check and os.environ.get("VESCALE_DISABLE_RUN_CHECK", "0") != "1"
-    run_check = run_check and mesh.device_type != "meta"
+    run_check = run_check and mesh.device_type != "meta" and not tracing
     return _FromLocal.apply(local_tensor, spec, gp, run_check)  # type: ignore[no-any-return]
 
 
@@ -355,3 +364,6 @@ def full_tensor(
         dtensor, placements=(Replicate(),) * dtensor.device_mesh.ndim, async_op=False
     )
     return to_local(replicated, grad_placements=grad_placements, async_output=False)
+
+
+torch._dynamo.allow_in_graph(from_local)  # like upstream DTensor.from_local: one graph call

@@ -16,6 +16,7 @@ the strategy wanted. Local steps (e.g. Replicate -> Shard) stay allowed; explici
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -45,6 +46,7 @@ __all__ = [
     "bypass_sharding_prop",
     "explicit_redistribute",
     "explicit_redistribute_enabled",
+    "plugin_op",
     "post_dispatch_patch",
     "pre_dispatch_patch",
     "unregister_bypass_dispatch",
@@ -222,6 +224,54 @@ def unregister_post_dispatch_patch(op: OpOverload | Sequence[OpOverload]) -> Non
 def unregister_bypass_sharding_prop(op: OpOverload | Sequence[OpOverload]) -> None:
     """Remove ``op``'s sharding-propagation bypass."""
     _unregister(_prop, op)
+
+
+def plugin_op(
+    kernel: Callable[..., Any],
+    out_placements: Sequence[Placement] | Sequence[Sequence[Placement]],
+    in_placements: Sequence[Sequence[Placement] | None] | None = None,
+    *,
+    grad_placements: Sequence[Sequence[Placement] | None] | None = None,
+) -> Callable[..., Any]:
+    """Run a plain-tensor kernel (APEX-style fused op, C++ extension) on DTensors.
+
+    The kernel receives waited local shards (never ``AsyncCollectiveTensor``), so raw
+    pointers (``data_ptr()``) are valid; DTensor positional inputs are first redistributed
+    to ``in_placements[i]`` where given. Tensor outputs become DTensors with
+    ``out_placements`` (one placement list, or one per output), assumed evenly sharded.
+    Autograd flows through the kernel's own autograd; ``grad_placements[i]`` declares the
+    layout of input ``i``'s local gradient (default: its placements, Partial -> Replicate).
+    """
+    multi = bool(out_placements) and not isinstance(out_placements[0], Placement)
+
+    @functools.wraps(kernel)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        from vescale.dtensor.api import from_local
+
+        mesh = next((a.device_mesh for a in args if isinstance(a, _UpstreamDTensor)), None)
+        if mesh is None:
+            return kernel(*args, **kwargs)
+        local_args = []
+        for i, a in enumerate(args):
+            if isinstance(a, _UpstreamDTensor):
+                want = in_placements[i] if in_placements is not None else None
+                if want is not None and tuple(want) != tuple(a.placements):
+                    a = a.redistribute(mesh, want)
+                gp = grad_placements[i] if grad_placements is not None else None
+                a = a.to_local(grad_placements=gp, async_output=False)
+            local_args.append(a)
+        out = kernel(*local_args, **kwargs)
+        outs = out if multi else (out,)
+        layouts = out_placements if multi else (out_placements,)
+        wrapped = tuple(
+            from_local(o, mesh, p, run_check=False, support_uneven=False)  # type: ignore[arg-type]
+            if isinstance(o, torch.Tensor)
+            else o
+            for o, p in zip(outs, layouts)
+        )
+        return wrapped if multi else wrapped[0]
+
+    return run
 
 
 # veScale's legacy names.
