@@ -26,6 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
+from vescale.dtensor import api
 from vescale.dtensor._torch_compat import (
     DTensorSpec,
     ExplicitRedistributionContext,
@@ -246,8 +247,6 @@ def plugin_op(
 
     @functools.wraps(kernel)
     def run(*args: Any, **kwargs: Any) -> Any:
-        from vescale.dtensor.api import from_local
-
         mesh = next((a.device_mesh for a in args if isinstance(a, _UpstreamDTensor)), None)
         if mesh is None:
             return kernel(*args, **kwargs)
@@ -256,15 +255,15 @@ def plugin_op(
             if isinstance(a, _UpstreamDTensor):
                 want = in_placements[i] if in_placements is not None else None
                 if want is not None and tuple(want) != tuple(a.placements):
-                    a = a.redistribute(mesh, want)
+                    a = api.redistribute_dtensor(a, mesh, want)
                 gp = grad_placements[i] if grad_placements is not None else None
-                a = a.to_local(grad_placements=gp, async_output=False)
+                a = api.to_local(a, grad_placements=gp, async_output=False)
             local_args.append(a)
         out = kernel(*local_args, **kwargs)
         outs = out if multi else (out,)
         layouts = out_placements if multi else (out_placements,)
         wrapped = tuple(
-            from_local(o, mesh, p, run_check=False, support_uneven=False)  # type: ignore[arg-type]
+            api.from_local(o, mesh, p, run_check=False, support_uneven=False)  # type: ignore[arg-type]
             if isinstance(o, torch.Tensor)
             else o
             for o, p in zip(outs, layouts)
