@@ -317,7 +317,7 @@ def _local_shape(spec: DTensorSpec) -> tuple[int, ...]:
 
 
 def to_local(
-    dtensor: DTensor,
+    dtensor: _UpstreamDTensor,
     *,
     grad_placements: Sequence[Placement] | None = None,
     async_output: bool = True,
@@ -334,7 +334,7 @@ def to_local(
 
 
 def redistribute_dtensor(
-    dtensor: DTensor,
+    dtensor: _UpstreamDTensor,
     device_mesh: Any = None,
     placements: Sequence[Placement] | None = None,
     async_op: bool = True,
@@ -357,7 +357,7 @@ def redistribute_dtensor(
 
 
 def full_tensor(
-    dtensor: DTensor, *, grad_placements: Sequence[Placement] | None = None
+    dtensor: _UpstreamDTensor, *, grad_placements: Sequence[Placement] | None = None
 ) -> torch.Tensor:
     """The global tensor on every rank, waited (differentiable)."""
     replicated = redistribute_dtensor(

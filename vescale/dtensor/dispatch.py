@@ -36,6 +36,7 @@ from vescale.dtensor._torch_compat import (
     compute_global_tensor_info,
     redistribute_cost,
 )
+from vescale.dtensor.dtensor import DTensor
 from vescale.dtensor.placement_types import Placement
 
 __all__ = [
@@ -257,7 +258,10 @@ def plugin_op(
                 if want is not None and tuple(want) != tuple(a.placements):
                     a = api.redistribute_dtensor(a, mesh, want)
                 gp = grad_placements[i] if grad_placements is not None else None
-                a = api.to_local(a, grad_placements=gp, async_output=False)
+                if isinstance(a, DTensor):  # the method form traces in one graph
+                    a = a.to_local(grad_placements=gp, async_output=False)
+                else:
+                    a = api.to_local(a, grad_placements=gp, async_output=False)
             local_args.append(a)
         out = kernel(*local_args, **kwargs)
         outs = out if multi else (out,)
