@@ -1,36 +1,138 @@
 """The ``vescale`` torch.compile backend.
 
-For now it captures forward and backward graphs through AOTAutograd and runs them as
-plain FX graphs (the compiler pipeline and its passes land on top of this entry point).
+Pipeline per captured program: Dynamo graph -> AOTAutograd (forward and backward graphs of
+local aten ops and functional collectives, placements decided by the same eager strategies)
+-> vescale passes (``annotate``/verify so far) -> codegen (Inductor, or the FX graphs as
+they are). Options (``torch.compile(..., options={...})`` or env vars):
+
+* ``codegen``: ``"inductor"`` (default) or ``"fx"``.
+* ``eager`` / ``VESCALE_COMPILE_EAGER=1``: run the captured program through eager DTensor.
+* ``dump_dir`` / ``VESCALE_DUMP_DIR``: per rank, ``graph.<pass>.txt`` for every graph and
+  pass, and ``collectives.json``.
+* ``strict``: raise instead of falling back to eager on an unsupported construct.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
+import os
+import warnings
+from dataclasses import dataclass, fields
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import register_backend
 from torch._functorch.aot_autograd import make_boxed_func
 
 from vescale.dtensor._torch_compat import DYNAMO_COMPILER_FNS
+from vescale.dtensor.dispatch import ImplicitRedistributionError
+from vescale.passes import PassContext, PassManager, annotate
 
-__all__ = ["register", "vescale_backend"]
+__all__ = ["BackendOptions", "register", "vescale_backend"]
 
 BACKEND_NAME = "vescale"
+PIPELINE = PassManager([("annotate", annotate)])
+_graph_ids = itertools.count()
 
 
-def _run_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-    return make_boxed_func(gm.forward)
+@dataclass(frozen=True)
+class BackendOptions:
+    """Options of the ``vescale`` backend (see module docstring)."""
+
+    codegen: str = "inductor"
+    eager: bool = False
+    dump_dir: str | None = None
+    strict: bool = False
+
+    @classmethod
+    def resolve(cls, options: dict[str, Any] | None) -> BackendOptions:
+        options = dict(options or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"vescale backend: unknown options {unknown}; known: {sorted(known)}")
+        options.setdefault("eager", os.environ.get("VESCALE_COMPILE_EAGER", "0") == "1")
+        options.setdefault("dump_dir", os.environ.get("VESCALE_DUMP_DIR") or None)
+        out = cls(**options)
+        if out.codegen not in ("inductor", "fx"):
+            raise ValueError(
+                f"vescale backend: codegen must be 'inductor' or 'fx', got {out.codegen!r}"
+            )
+        return out
 
 
-_aot = aot_autograd(fw_compiler=_run_graph, bw_compiler=_run_graph)
+def _rank_dir(dump_dir: str | None) -> Path | None:
+    if dump_dir is None:
+        return None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    path = Path(dump_dir) / f"rank{rank}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
-def vescale_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:
-    """``torch.compile(model, backend="vescale")``."""
-    return _aot(gm, example_inputs, **kwargs)
+def _append_collectives(folder: Path | None, records: list[Any]) -> None:
+    if folder is None:
+        return
+    path = folder / "collectives.json"
+    existing = json.loads(path.read_text()) if path.exists() else []
+    path.write_text(json.dumps(existing + records, indent=1) + "\n")
+
+
+def _graph_compiler(opts: BackendOptions, name: str) -> Any:
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        folder = _rank_dir(opts.dump_dir)
+        ctx = PassContext(name, folder)
+        gm = PIPELINE.run(gm, ctx)
+        _append_collectives(folder, ctx.reports.get("collectives", []))
+        if opts.codegen == "inductor":
+            from torch._inductor.compile_fx import compile_fx_inner
+
+            return compile_fx_inner(gm, example_inputs)
+        return make_boxed_func(gm.forward)
+
+    return compile_graph
+
+
+def vescale_backend(
+    gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None
+) -> Any:
+    """``torch.compile(model, backend="vescale", options={...})``."""
+    opts = BackendOptions.resolve(options)
+    if opts.eager:
+        return gm.forward
+    gid = next(_graph_ids)
+    extra: dict[str, Any] = {}
+    if opts.codegen == "inductor":  # Inductor lowers only its own decomposed op set
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+        from torch._inductor.decomposition import select_decomp_table
+
+        extra = {
+            "decompositions": select_decomp_table(),
+            "partition_fn": min_cut_rematerialization_partition,
+        }
+    aot = aot_autograd(
+        fw_compiler=_graph_compiler(opts, f"graph{gid}.forward"),
+        bw_compiler=_graph_compiler(opts, f"graph{gid}.backward"),
+        **extra,
+    )
+    try:
+        return aot(gm, example_inputs)
+    except ImplicitRedistributionError:
+        raise
+    except Exception as err:
+        if opts.strict:
+            raise
+        warnings.warn(
+            f"vescale backend: graph{gid} runs eagerly, its capture failed: "
+            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+            stacklevel=2,
+        )
+        return gm.forward
 
 
 def register() -> None:

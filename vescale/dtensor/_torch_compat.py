@@ -10,6 +10,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed._functional_collectives import _are_we_tracing as are_we_tracing
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.device_mesh import _mesh_resources
+from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.distributed.tensor._collective_utils import redistribute_cost
 from torch.distributed.tensor._dispatch import OpDispatcher
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -41,6 +42,7 @@ __all__ = [
     "maybe_run_for_local_tensor",
     "redistribute_cost",
     "register_opaque_type",
+    "resolve_process_group",
     "upstream_redistribute_local_tensor",
 ]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,7 +11,20 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh as _UpstreamDeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _upstream_init_device_mesh
 
-__all__ = ["DeviceMesh", "as_vescale_mesh", "init_device_mesh"]
+__all__ = ["DeviceMesh", "as_vescale_mesh", "init_device_mesh", "known_meshes"]
+
+_meshes: list[weakref.ref[Any]] = []
+
+
+def register_mesh(mesh: Any) -> None:
+    """Remember ``mesh`` (weakly) so reports can name the mesh dim of a process group."""
+    _meshes[:] = [r for r in _meshes if r() is not None]
+    _meshes.append(weakref.ref(mesh))
+
+
+def known_meshes() -> list[Any]:
+    """Every live vescale mesh."""
+    return [m for r in _meshes if (m := r()) is not None]
 
 
 class DeviceMesh(_UpstreamDeviceMesh):
@@ -47,6 +61,7 @@ class DeviceMesh(_UpstreamDeviceMesh):
             )
             self._dim_group_names = [pg.group_name]
             self._pg_registry[pg.group_name] = pg
+            register_mesh(self)
             return
         if mesh is None and not upstream_kwargs:
             raise ValueError("DeviceMesh: pass mesh=, pg=, or both")
@@ -54,6 +69,7 @@ class DeviceMesh(_UpstreamDeviceMesh):
             upstream_kwargs.setdefault("_init_backend", False)
             upstream_kwargs.setdefault("_rank", dist.get_rank() if dist.is_initialized() else 0)
         super().__init__(device_type, mesh, mesh_dim_names=mesh_dim_names, **upstream_kwargs)
+        register_mesh(self)
 
     def get_rank(self) -> int:
         """This process's global rank (a meta mesh answers without a process group)."""
@@ -119,6 +135,7 @@ def as_vescale_mesh(mesh: _UpstreamDeviceMesh) -> DeviceMesh:
     """Return ``mesh`` typed as ``vescale.DeviceMesh`` (same object; no state is added)."""
     if not isinstance(mesh, DeviceMesh):
         mesh.__class__ = DeviceMesh
+        register_mesh(mesh)
     return mesh  # type: ignore[return-value]
 
 

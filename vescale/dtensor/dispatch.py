@@ -40,6 +40,7 @@ from vescale.dtensor.dtensor import DTensor
 from vescale.dtensor.placement_types import Placement
 
 __all__ = [
+    "ImplicitRedistributionError",
     "_bypass_for_dispatch",
     "_bypass_for_sharding_prop",
     "_post_patch_for_dispatch",
@@ -315,6 +316,19 @@ def _op_of(msg: Any) -> str:
     return str(subject if isinstance(subject, OpOverload) else getattr(subject, "op", subject))
 
 
+class ImplicitRedistributionError(RuntimeError):
+    """An op needed a communicating redistribution while explicit mode was on."""
+
+
+def _traced_user_line() -> str:
+    """`` at file.py:line`` of the user code being traced by torch.compile, if any."""
+    from vescale.fx.collectives import user_line_of_stack
+
+    meta = torch.fx.traceback.get_current_meta() or {}
+    line = user_line_of_stack(meta.get("stack_trace") or "")
+    return f" at {line}" if line else ""
+
+
 _upstream_observe = ExplicitRedistributionContext.observe_redistribution
 
 
@@ -323,8 +337,8 @@ def _observe_redistribution(
 ) -> None:
     if explicit_redistribute_enabled() and redistribute_cost(src_spec, dst_spec) > 0:
         op = _op_of(redistribution_msg)
-        raise RuntimeError(
-            f"{op}: implicit redistribution of an input from {tuple(src_spec.placements)} to "
+        raise ImplicitRedistributionError(
+            f"{op}{_traced_user_line()}: implicit redistribution of an input from {tuple(src_spec.placements)} to "
             f"{tuple(dst_spec.placements)} on {src_spec.mesh} (global shape "
             f"{tuple(src_spec.shape)}) is forbidden: explicit mode is on "
             f"(VESCALE_DISABLE_REDISTRIBUTE=1). Call .redistribute(placements="

@@ -1,0 +1,123 @@
+"""The collectives of a captured graph, one record each (the ``collectives.json`` format).
+
+A record: ``kind``, ``group_ranks``, ``mesh_dim`` (the mesh dim whose process group it
+uses, when a known mesh owns that group), ``dtype``, ``bytes`` (of this rank's input),
+``bucket`` (id or None), ``source`` (``file.py:line`` of the user code that caused it),
+``graph``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, TypedDict
+
+import torch
+import torch.distributed as dist
+
+from vescale.dtensor._torch_compat import resolve_process_group
+from vescale.dtensor.device_mesh import known_meshes
+
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "CollectiveRecord",
+    "collective_table",
+    "user_line_of_stack",
+    "user_source",
+]
+
+_c10d = torch.ops._c10d_functional
+COLLECTIVE_KINDS: dict[Any, str] = {
+    _c10d.all_reduce.default: "all_reduce",
+    _c10d.all_gather_into_tensor.default: "all_gather",
+    _c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    _c10d.all_to_all_single.default: "all_to_all",
+    _c10d.broadcast.default: "broadcast",
+    _c10d.all_reduce_coalesced.default: "all_reduce",
+    _c10d.all_gather_into_tensor_coalesced.default: "all_gather",
+    _c10d.reduce_scatter_tensor_coalesced.default: "reduce_scatter",
+}
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+_INTERNAL = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # the vescale package
+)
+
+
+class CollectiveRecord(TypedDict):
+    kind: str
+    group_ranks: list[int]
+    mesh_dim: int | None
+    dtype: str
+    bytes: int
+    bucket: int | None
+    source: str
+    graph: str
+
+
+def user_source(node: torch.fx.Node) -> str:
+    """``file.py:line`` of the innermost user frame in ``node``'s stack trace ("" if none)."""
+    return user_line_of_stack(node.meta.get("stack_trace") or "")
+
+
+def user_line_of_stack(stack_trace: str) -> str:
+    """``file.py:line`` of the innermost frame outside torch and vescale ("" if none)."""
+    frames = _FRAME.findall(stack_trace)
+    user = [f for f in frames if not f[0].startswith(_INTERNAL)]
+    if not user:
+        return ""
+    path, line = user[-1]
+    return f"{path.rsplit('/', 1)[-1]}:{line}"
+
+
+def _group_name(node: torch.fx.Node) -> str:
+    for a in list(node.args) + list(node.kwargs.values()):
+        if isinstance(a, str) and a not in ("sum", "avg", "max", "min", "product"):
+            return a
+    raise ValueError(f"{node.target}: no process group name in {node.args}")
+
+
+def _mesh_dim(group_name: str) -> int | None:
+    for mesh in known_meshes():
+        names = getattr(mesh, "_dim_group_names", None) or []
+        if group_name in names:
+            return int(names.index(group_name))
+    return None
+
+
+def _nbytes(node: torch.fx.Node) -> tuple[str, int]:
+    inp = node.args[0]
+    vals = inp if isinstance(inp, list | tuple) else [inp]
+    total, dtype = 0, ""
+    for v in vals:
+        val = v.meta.get("val") if isinstance(v, torch.fx.Node) else None
+        if isinstance(val, torch.Tensor):
+            total += int(val.numel()) * val.element_size()
+            dtype = str(val.dtype).removeprefix("torch.")
+    return dtype, total
+
+
+def collective_table(gm: torch.fx.GraphModule, graph: str) -> list[CollectiveRecord]:
+    """One record per collective node of ``gm``, in graph order."""
+    out: list[CollectiveRecord] = []
+    for node in gm.graph.nodes:
+        kind = COLLECTIVE_KINDS.get(node.target) if node.op == "call_function" else None
+        if kind is None:
+            continue
+        name = _group_name(node)
+        dtype, nbytes = _nbytes(node)
+        custom = node.meta.get("custom") or {}
+        out.append(
+            CollectiveRecord(
+                kind=kind,
+                group_ranks=dist.get_process_group_ranks(resolve_process_group(name)),  # type: ignore[arg-type]
+                mesh_dim=_mesh_dim(name),
+                dtype=dtype,
+                bytes=nbytes,
+                bucket=custom.get("vescale_bucket"),
+                source=user_source(node),
+                graph=graph,
+            )
+        )
+    return out

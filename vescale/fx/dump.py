@@ -1,0 +1,53 @@
+"""Readable graph text: one line per node, with placements and collectives marked."""
+
+from __future__ import annotations
+
+import torch
+
+from vescale.fx.collectives import COLLECTIVE_KINDS, user_source
+
+__all__ = ["graph_text"]
+
+
+def _fmt(arg: object) -> str:
+    if isinstance(arg, torch.fx.Node):
+        return f"%{arg.name}"
+    if isinstance(arg, list | tuple):
+        inner = ", ".join(_fmt(a) for a in arg)
+        return f"[{inner}]" if isinstance(arg, list) else f"({inner})"
+    return repr(arg)
+
+
+def graph_text(gm: torch.fx.GraphModule, title: str) -> str:
+    """``gm`` as text: ``%name = target(args)``, then shape/dtype, placements and, for a
+    collective, ``<< kind  N B  mesh dim d  @ file.py:line``."""
+    lines = [f"# {title}"]
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            text = f"%{node.name} = input"
+        elif node.op == "output":
+            text = f"return {_fmt(node.args[0])}"
+        elif node.op == "get_attr":
+            text = f"%{node.name} = self.{node.target}"
+        else:
+            args = ", ".join(
+                [_fmt(a) for a in node.args] + [f"{k}={_fmt(v)}" for k, v in node.kwargs.items()]
+            )
+            text = f"%{node.name} = {node.target}({args})"
+        val = node.meta.get("val")
+        notes = []
+        if isinstance(val, torch.Tensor):
+            notes.append(f"{str(val.dtype).removeprefix('torch.')}{list(val.shape)}")
+        custom = node.meta.get("custom") or {}
+        if "vescale_placements" in custom:
+            notes.append(f"placements {custom['vescale_placements']}")
+        coll = custom.get("vescale_collective")
+        if node.target in COLLECTIVE_KINDS and coll:
+            mesh_dim = "" if coll["mesh_dim"] is None else f"  mesh dim {coll['mesh_dim']}"
+            notes.append(
+                f"<< {coll['kind']}  {coll['bytes']} B{mesh_dim}  @ {coll['source'] or '?'}"
+            )
+        elif node.op == "call_function" and (src := user_source(node)):
+            notes.append(f"@ {src}")
+        lines.append(text + ("  # " + "  ".join(notes) if notes else ""))
+    return "\n".join(lines) + "\n"
