@@ -326,6 +326,8 @@ def _traced_user_line() -> str:
 
     meta = torch.fx.traceback.get_current_meta() or {}
     line = user_line_of_stack(meta.get("stack_trace") or "")
+    if not line and torch.compiler.is_compiling():  # Dynamo running the user frame
+        line = user_line_of_stack("".join(torch._guards.TracingContext.extract_stack().format()))
     return f" at {line}" if line else ""
 
 

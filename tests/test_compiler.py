@@ -1,0 +1,160 @@
+"""The vescale backend on a tensor-parallel MLP (4 gloo ranks): compiled == eager ==
+single device over 3 SGD steps for every codegen, collective counts equal eager's, and
+collectives.json lists exactly those with bytes and a source line in this file."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor.debug import CommDebugMode
+
+import vescale
+from tests.dtensor.reference import mesh_of
+from vescale import Replicate, Shard
+from vescale.backend import BackendOptions
+
+LAYOUT = {"w1": [Shard(0)], "b1": [Shard(0)], "w2": [Shard(1)]}
+
+
+def _params():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w1": torch.randn(16, 8, generator=g) * 0.3,
+        "b1": torch.randn(16, generator=g) * 0.1,
+        "w2": torch.randn(4, 16, generator=g) * 0.3,
+    }
+
+
+def _step(p, x, target):
+    h = F.gelu(x @ p["w1"].T + p["b1"])
+    y = h @ p["w2"].T
+    if isinstance(y, vescale.DTensor):
+        y = y.redistribute(placements=[Replicate()])  # the one forward all-reduce
+    return F.mse_loss(y, target)
+
+
+def _train(step, params, to_input, steps=3):
+    opt = torch.optim.SGD(list(params.values()), lr=0.2)
+    losses = []
+    for i in range(steps):
+        g = torch.Generator().manual_seed(100 + i)
+        x, t = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+        loss = step(params, to_input(x), to_input(t))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(
+            loss.full_tensor().item() if isinstance(loss, vescale.DTensor) else loss.item()
+        )
+    return losses, {
+        k: (v.full_tensor() if isinstance(v, vescale.DTensor) else v).detach()
+        for k, v in params.items()
+    }
+
+
+def _dist_params():
+    mesh = mesh_of((4,))
+    return {
+        k: vescale.distribute_tensor(v, mesh, LAYOUT[k]).requires_grad_(True)
+        for k, v in _params().items()
+    }
+
+
+def _replicated(t):
+    return vescale.distribute_tensor(t, mesh_of((4,)), [Replicate()])
+
+
+def _check_compiled_matches(mode):
+    torch._dynamo.reset()
+    ref_losses, ref_params = _train(
+        _step, {k: v.requires_grad_(True) for k, v in _params().items()}, lambda t: t
+    )
+    eager_losses, eager_params = _train(_step, _dist_params(), _replicated)
+    if mode == "eager-env":
+        step = torch.compile(_step, backend="vescale")
+    else:
+        step = torch.compile(_step, backend="vescale", options={"codegen": mode})
+    losses, params = _train(step, _dist_params(), _replicated)
+    for a, b, c in zip(losses, eager_losses, ref_losses):
+        assert abs(a - b) < 1e-5 and abs(a - c) < 1e-5, (losses, eager_losses, ref_losses)
+    for k in ref_params:
+        assert torch.allclose(params[k], eager_params[k], atol=1e-5), k
+        assert torch.allclose(params[k], ref_params[k], atol=1e-5), k
+
+
+@pytest.mark.parametrize("mode", ["inductor", "fx", "eager-env"])
+def test_compiled_equals_eager_and_single_device(pool4, mode):
+    env = {"VESCALE_COMPILE_EAGER": "1"} if mode == "eager-env" else {}
+    pool4.run(_check_compiled_matches, mode, env=env)
+
+
+def _check_collectives(dump_root):
+    torch._dynamo.reset()
+    x, t = _replicated(torch.randn(6, 8)), _replicated(torch.randn(6, 4))
+    eager_params = _dist_params()
+    with CommDebugMode() as comm:
+        _step(eager_params, x, t).backward()
+    eager_count = comm.get_total_counts()
+    dump = Path(dump_root)
+    step = torch.compile(_step, backend="vescale", options={"codegen": "fx", "dump_dir": str(dump)})
+    params = _dist_params()
+    step(params, x, t).backward()
+    rank = torch.distributed.get_rank()
+    records = json.loads((dump / f"rank{rank}" / "collectives.json").read_text())
+    assert len(records) == eager_count == 1, (records, eager_count)
+    (rec,) = records
+    assert rec["kind"] == "all_reduce" and rec["group_ranks"] == [0, 1, 2, 3]
+    assert rec["mesh_dim"] == 0 and rec["dtype"] == "float32"
+    assert rec["bytes"] == 6 * 4 * 4 and rec["bucket"] is None
+    line = next(
+        i
+        for i, s in enumerate(Path(__file__).read_text().splitlines(), 1)
+        if "the one forward all-reduce" in s
+    )
+    assert rec["source"] == f"test_compiler.py:{line}", rec
+    assert rec["graph"].endswith(".forward")
+    graph_dir = dump / f"rank{rank}" / rec["graph"]
+    text = (graph_dir / "graph.annotate.txt").read_text()
+    assert f"<< all_reduce  96 B  mesh dim 0  @ test_compiler.py:{line}" in text
+    assert (graph_dir / "graph.capture.txt").exists()
+
+
+def test_collectives_match_eager_and_are_dumped(pool4):
+    with tempfile.TemporaryDirectory() as root:
+        pool4.run(_check_collectives, root)
+
+
+def _check_explicit_at_compile_time():
+    mesh = mesh_of((4,))
+    a = vescale.distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)])
+    b = vescale.distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)])
+
+    def f(a, b):
+        return a @ b  # needs an implicit all-gather
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as err:
+        torch.compile(f, backend="vescale", options={"codegen": "fx"})(a, b)
+    line = next(
+        i
+        for i, s in enumerate(Path(__file__).read_text().splitlines(), 1)
+        if "needs an implicit all-gather" in s
+    )
+    assert "aten.mm.default" in str(err.value) and "implicit redistribution" in str(err.value)
+    assert f"test_compiler.py:{line}" in str(err.value), str(err.value)[:500]
+
+
+def test_explicit_mode_fails_at_compile_time_with_user_line(pool4):
+    pool4.run(_check_explicit_at_compile_time)
+
+
+def test_backend_options_validated():
+    with pytest.raises(ValueError, match=r"unknown options \['bucket'\]"):
+        BackendOptions.resolve({"bucket": 1})
+    with pytest.raises(ValueError, match="codegen must be 'inductor' or 'fx'"):
+        BackendOptions.resolve({"codegen": "triton"})
