@@ -16,7 +16,8 @@ def _demo_losses():
 
 
 def test_demo_matches_single_device(pool4):
-    for tp, ref in pool4.run(_demo_losses):
-        assert len(tp) == len(ref) == 4
-        assert all(abs(a - b) <= 1e-5 for a, b in zip(tp, ref)), (tp, ref)
-        assert tp[-1] < tp[0]  # it trains
+    for eager, compiled, ref in pool4.run(_demo_losses):
+        assert len(eager) == len(compiled) == len(ref) == 4
+        for run in (eager, compiled):
+            assert all(abs(a - b) <= 1e-5 for a, b in zip(run, ref)), (run, ref)
+        assert ref[-1] < ref[0]  # it trains

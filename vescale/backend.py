@@ -75,11 +75,15 @@ def _rank_dir(dump_dir: str | None) -> Path | None:
     return path
 
 
+_written: set[Path] = set()  # collectives.json files this process started (older runs are replaced)
+
+
 def _append_collectives(folder: Path | None, records: list[Any]) -> None:
     if folder is None:
         return
     path = folder / "collectives.json"
-    existing = json.loads(path.read_text()) if path.exists() else []
+    existing = json.loads(path.read_text()) if path in _written and path.exists() else []
+    _written.add(path)
     path.write_text(json.dumps(existing + records, indent=1) + "\n")
 
 
