@@ -121,6 +121,14 @@ def _check_collectives(dump_root):
     graph_dir = dump / f"rank{rank}" / rec["graph"]
     text = (graph_dir / "graph.annotate.txt").read_text()
     assert f"<< all_reduce  96 B  mesh dim 0  @ test_compiler.py:{line}" in text
+    lines = {ln.split(" = ")[0]: ln for ln in text.splitlines() if " = " in ln}
+    assert "(S(1))" in lines["%mm"] and "(P(sum))" in lines["%mm_1"], text
+    assert "(R)  redistribute P(sum) -> R" in lines["%wait_tensor"], text
+    backward = (
+        dump / f"rank{rank}" / rec["graph"].replace("forward", "backward") / "graph.annotate.txt"
+    ).read_text()
+    tagged = [ln for ln in backward.splitlines() if "aten.mm.default" in ln]
+    assert tagged and all("(P(sum))" in ln or "(S(" in ln for ln in tagged), backward
     assert (graph_dir / "graph.capture.txt").exists()
 
 

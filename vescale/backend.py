@@ -29,6 +29,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import register_backend
 from torch._functorch.aot_autograd import make_boxed_func
 
+from vescale.dtensor._recording import recording
 from vescale.dtensor._torch_compat import DYNAMO_COMPILER_FNS
 from vescale.dtensor.dispatch import ImplicitRedistributionError
 from vescale.passes import PassContext, PassManager, annotate
@@ -125,7 +126,8 @@ def vescale_backend(
         **extra,
     )
     try:
-        return aot(gm, example_inputs)
+        with recording():
+            return aot(gm, example_inputs)
     except ImplicitRedistributionError:
         raise
     except Exception as err:

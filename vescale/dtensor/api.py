@@ -21,6 +21,8 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 from torch.distributed.tensor import distribute_tensor as _upstream_distribute_tensor
 
+from vescale.dtensor._recording import ACTIVE as _RECORDING
+from vescale.dtensor._recording import record_redistribute
 from vescale.dtensor._torch_compat import (
     DTensorSpec,
     _mesh_resources,
@@ -199,6 +201,8 @@ class _Redistribute(torch.autograd.Function):
         local = redistribute_local_tensor(dt._local_tensor, src, dst, async_op=async_op)
         if local is dt._local_tensor:
             local = local.view_as(local)
+        if _RECORDING[0]:
+            record_redistribute(local, src.placements, placements)
         return DTensor(local, dst, requires_grad=dt.requires_grad)  # type: ignore[call-arg]
 
     @staticmethod

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
+from vescale.dtensor._recording import ACTIVE as _RECORDING
+from vescale.dtensor._recording import record_placements
 from vescale.dtensor._torch_compat import DTensorSpec, OpDispatcher
 from vescale.dtensor.device_mesh import DeviceMesh
 from vescale.dtensor.placement_types import Placement
@@ -99,6 +101,8 @@ def _wrap(res: object, spec: object) -> object:
     ``__init__`` does nothing but pass through two Python wrappers (dynamo-disable and the
     export constructor hook), which cost ~1.2 us per op output.
     """
+    if _RECORDING[0]:
+        record_placements(res, spec)
     if isinstance(res, torch.Tensor):
         if isinstance(spec, DTensorSpec):
             if torch.compiler.is_exporting():

@@ -40,7 +40,9 @@ def graph_text(gm: torch.fx.GraphModule, title: str) -> str:
             notes.append(f"{str(val.dtype).removeprefix('torch.')}{list(val.shape)}")
         custom = node.meta.get("custom") or {}
         if "vescale_placements" in custom:
-            notes.append(f"placements {custom['vescale_placements']}")
+            notes.append("(" + ", ".join(custom["vescale_placements"]) + ")")
+        if "vescale_redistribute" in custom:
+            notes.append(f"redistribute {custom['vescale_redistribute']}")
         coll = custom.get("vescale_collective")
         if node.target in COLLECTIVE_KINDS and coll:
             mesh_dim = "" if coll["mesh_dim"] is None else f"  mesh dim {coll['mesh_dim']}"
