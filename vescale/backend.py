@@ -88,12 +88,17 @@ def _append_collectives(folder: Path | None, records: list[Any]) -> None:
     path.write_text(json.dumps(existing + records, indent=1) + "\n")
 
 
+_sinks: list[list[tuple[str, torch.fx.GraphModule, PassContext]]] = []  # vescale.fx.trace
+
+
 def _graph_compiler(opts: BackendOptions, name: str) -> Any:
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         folder = _rank_dir(opts.dump_dir)
         ctx = PassContext(name, folder)
         gm = PIPELINE.run(gm, ctx)
         _append_collectives(folder, ctx.reports.get("collectives", []))
+        for sink in _sinks:
+            sink.append((name, gm, ctx))
         if opts.codegen == "inductor":
             from torch._inductor.compile_fx import compile_fx_inner
 
