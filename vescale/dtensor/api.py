@@ -371,3 +371,4 @@ def full_tensor(
 
 
 torch._dynamo.allow_in_graph(from_local)  # like upstream DTensor.from_local: one graph call
+DTensor.from_local = staticmethod(from_local)  # type: ignore[assignment,method-assign]

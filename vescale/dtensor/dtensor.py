@@ -23,33 +23,10 @@ __all__ = ["DTensor"]
 
 
 class DTensor(_UpstreamDTensor):
-    """A distributed tensor; accepted everywhere an upstream ``DTensor`` is."""
+    """A distributed tensor; accepted everywhere an upstream ``DTensor`` is.
 
-    @staticmethod
-    def from_local(  # type: ignore[override]
-        local_tensor: torch.Tensor,
-        device_mesh: DeviceMesh | None = None,
-        placements: Sequence[Placement] | None = None,
-        *,
-        run_check: bool = True,
-        shape: torch.Size | Sequence[int] | None = None,
-        stride: Sequence[int] | None = None,
-        support_uneven: bool = True,
-        async_input: bool = True,
-        grad_placements: Sequence[Placement] | None = None,
-    ) -> DTensor:
-        """See :func:`vescale.from_local`."""
-        return api.from_local(
-            local_tensor,
-            device_mesh,
-            placements,
-            run_check=run_check,
-            shape=shape,
-            stride=stride,
-            support_uneven=support_uneven,
-            async_input=async_input,
-            grad_placements=grad_placements,
-        )
+    ``DTensor.from_local`` is :func:`vescale.from_local` (bound in ``api.py``).
+    """
 
     def to_local(  # type: ignore[override]
         self,
