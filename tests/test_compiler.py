@@ -166,3 +166,22 @@ def test_backend_options_validated():
         BackendOptions.resolve({"bucket": 1})
     with pytest.raises(ValueError, match="codegen must be 'inductor' or 'fx'"):
         BackendOptions.resolve({"codegen": "triton"})
+
+
+def _check_every_node_placed(dump_root):
+    torch._dynamo.reset()
+    x, t = _replicated(torch.randn(6, 8)), _replicated(torch.randn(6, 4))
+    step = torch.compile(_step, backend="vescale", options={"dump_dir": dump_root})  # inductor
+    step(_dist_params(), x, t).backward()
+    rank_dir = Path(dump_root) / f"rank{torch.distributed.get_rank()}"
+    texts = [p.read_text() for p in sorted(rank_dir.glob("graph*/graph.annotate.txt"))]
+    assert len(texts) == 2  # forward and backward
+    compute = [ln for text in texts for ln in text.splitlines() if " = aten." in ln]
+    unplaced = [ln for ln in compute if not any(m in ln for m in (" (S(", " (R)", " (P("))]
+    assert compute and not unplaced, unplaced
+    assert any(" of %" in ln for ln in compute)  # gelu's decomposition inherits gelu's placements
+
+
+def test_every_compute_node_has_placements(pool4):
+    with tempfile.TemporaryDirectory() as root:
+        pool4.run(_check_every_node_placed, root)

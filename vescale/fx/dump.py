@@ -40,7 +40,12 @@ def graph_text(gm: torch.fx.GraphModule, title: str) -> str:
             notes.append(f"{str(val.dtype).removeprefix('torch.')}{list(val.shape)}")
         custom = node.meta.get("custom") or {}
         if "vescale_placements" in custom:
-            notes.append("(" + ", ".join(custom["vescale_placements"]) + ")")
+            via = (
+                f" of %{custom['vescale_placements_from']}"
+                if "vescale_placements_from" in custom
+                else ""
+            )
+            notes.append("(" + ", ".join(custom["vescale_placements"]) + ")" + via)
         if "vescale_redistribute" in custom:
             notes.append(f"redistribute {custom['vescale_redistribute']}")
         coll = custom.get("vescale_collective")

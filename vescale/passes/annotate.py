@@ -1,13 +1,17 @@
-"""``annotate``: record on every collective node why it exists, and verify the graph.
+"""``annotate``: placements on every compute node, a reason on every collective, verify.
 
-Each collective gets ``node.meta["custom"]["vescale_collective"]`` (its ``collectives.json``
-record) and the pass reports the table as ``ctx.reports["collectives"]``. Verification:
-every collective's result is consumed by a ``wait_tensor`` before any other use.
+* Nodes that decompositions created inside one DTensor op (e.g. gelu's ``erf``/``mul``) carry
+  no placements from tracing; they get the placements of the op output they feed
+  (``vescale_placements``) and its name (``vescale_placements_from``), when all their users agree.
+* Each collective gets ``node.meta["custom"]["vescale_collective"]`` (its ``collectives.json``
+  record); the table is reported as ``ctx.reports["collectives"]``.
+* Verification: every collective's result is consumed by a ``wait_tensor`` before any other use.
 """
 
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 
@@ -19,8 +23,52 @@ __all__ = ["annotate"]
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
+def _agreeing(nodes: list[torch.fx.Node]) -> tuple[Any, str] | None:
+    """The one (placements, owner) that all tagged ``nodes`` share, if they agree."""
+    tags = {
+        (c["vescale_placements"], c.get("vescale_placements_from", n.name))
+        for n in nodes
+        if "vescale_placements" in (c := n.meta.get("custom") or {})
+    }
+    if len(tags) != 1 or len({t[0] for t in tags}) != 1:
+        return None
+    return tags.pop()
+
+
+def _inherit_placements(gm: torch.fx.GraphModule) -> int:
+    """Give decomposition intermediates their op's placements: from the consumers they feed
+    when all are tagged and agree, else (values only saved for backward) from their tagged
+    inputs when those agree. Returns how many nodes got placements."""
+    count = 0
+    order = list(gm.graph.nodes)
+    sweeps = (  # (nodes in visiting order, neighbours to inherit from, all must be tagged)
+        (order[::-1], lambda n: [u for u in n.users if u.op != "output"], True),
+        (order, lambda n: [a for a in n.all_input_nodes if a.op == "call_function"], False),
+    )
+    for nodes, neighbours, require_all in sweeps:
+        for node in nodes:
+            custom = node.meta.get("custom") or {}
+            if node.op != "call_function" or "vescale_placements" in custom:
+                continue
+            if node.target in COLLECTIVE_KINDS or node.target is _WAIT:
+                continue
+            near = neighbours(node)
+            tagged = [n for n in near if "vescale_placements" in (n.meta.get("custom") or {})]
+            if not near or (require_all and len(tagged) != len(near)):
+                continue
+            agreed = _agreeing(tagged)
+            if agreed is None:
+                continue
+            node.meta.setdefault("custom", {}).update(
+                vescale_placements=agreed[0], vescale_placements_from=agreed[1]
+            )
+            count += 1
+    return count
+
+
 def annotate(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    """Annotate and verify collectives (see module docstring)."""
+    """Annotate placements and collectives, and verify (see module docstring)."""
+    ctx.reports["inherited_placements"] = _inherit_placements(gm)
     table = collective_table(gm, ctx.graph_name)
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_KINDS]
     for node, record in zip(nodes, table):
