@@ -25,12 +25,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._dynamo.backends.common import aot_autograd
-from torch._dynamo.backends.registry import register_backend
-from torch._functorch.aot_autograd import make_boxed_func
 
 from vescale.dtensor._recording import recording
-from vescale.dtensor._torch_compat import DYNAMO_COMPILER_FNS
+from vescale.dtensor._torch_compat import (
+    DYNAMO_COMPILER_FNS,
+    aot_autograd,
+    inductor_pieces,
+    make_boxed_func,
+    register_backend,
+)
 from vescale.dtensor.dispatch import ImplicitRedistributionError
 from vescale.passes import PassContext, PassManager, annotate
 
@@ -100,8 +103,7 @@ def _graph_compiler(opts: BackendOptions, name: str) -> Any:
         for sink in _sinks:
             sink.append((name, gm, ctx))
         if opts.codegen == "inductor":
-            from torch._inductor.compile_fx import compile_fx_inner
-
+            compile_fx_inner, _, _ = inductor_pieces()
             return compile_fx_inner(gm, example_inputs)
         return make_boxed_func(gm.forward)
 
@@ -118,9 +120,7 @@ def vescale_backend(
     gid = next(_graph_ids)
     extra: dict[str, Any] = {}
     if opts.codegen == "inductor":  # Inductor lowers only its own decomposed op set
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
-        from torch._inductor.decomposition import select_decomp_table
-
+        _, select_decomp_table, min_cut_rematerialization_partition = inductor_pieces()
         extra = {
             "decompositions": select_decomp_table(),
             "partition_fn": min_cut_rematerialization_partition,

@@ -14,8 +14,13 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch._subclasses.functional_tensor import FunctionalTensor
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+from vescale.dtensor._torch_compat import (
+    FunctionalTensor,
+    from_functional_tensor,
+    get_proxy_mode,
+    get_proxy_slot,
+)
 
 __all__ = ["ACTIVE", "record_placements", "record_redistribute", "recording"]
 
@@ -38,7 +43,7 @@ def _node(t: object) -> torch.fx.Node | None:
     if mode is None or not isinstance(t, torch.Tensor):
         return None
     if isinstance(t, FunctionalTensor):
-        t = torch._from_functional_tensor(t.elem)
+        t = from_functional_tensor(t.elem)
     slot = get_proxy_slot(t, mode.tracer, None, lambda p: p)
     return slot.proxy.node if slot is not None else None
 

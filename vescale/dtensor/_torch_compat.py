@@ -4,8 +4,16 @@ A torch upgrade that moves or renames one of these fails here, loudly, and
 ``tests/dtensor/test_torch_compat.py`` pins the shapes we rely on.
 """
 
+from typing import Any
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import _COMPILER_FNS as DYNAMO_COMPILER_FNS
+from torch._dynamo.backends.registry import register_backend
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._guards import TracingContext
 from torch._library.opaque_object import MemberType, register_opaque_type
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed._functional_collectives import _are_we_tracing as are_we_tracing
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
@@ -23,28 +31,51 @@ from torch.distributed.tensor._utils import (
     compute_global_tensor_info,
     compute_local_shape_and_global_offset,
 )
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
 __all__ = [
     "DYNAMO_COMPILER_FNS",
     "AsyncCollectiveTensor",
     "DTensorSpec",
     "ExplicitRedistributionContext",
+    "FunctionalTensor",
     "MemberType",
     "OpDispatcher",
     "OpInfo",
     "OpSchema",
     "OutputSharding",
     "TensorMeta",
+    "TracingContext",
     "_mesh_resources",
+    "aot_autograd",
     "are_we_tracing",
     "compute_global_tensor_info",
     "compute_local_shape_and_global_offset",
+    "from_functional_tensor",
+    "get_proxy_mode",
+    "get_proxy_slot",
+    "inductor_pieces",
+    "make_boxed_func",
     "maybe_run_for_local_tensor",
     "redistribute_cost",
+    "register_backend",
     "register_opaque_type",
     "resolve_process_group",
     "upstream_redistribute_local_tensor",
 ]
+
+from_functional_tensor = torch._from_functional_tensor
+
+
+def inductor_pieces() -> tuple[Any, Any, Any]:
+    """(compile_fx_inner, select_decomp_table, min_cut_rematerialization_partition), imported
+    on first use: importing Inductor costs seconds."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+
+    return compile_fx_inner, select_decomp_table, min_cut_rematerialization_partition
+
 
 # Private attributes (not importable names) we read or set:
 #   DeviceMesh._dim_group_names, DeviceMesh._pg_registry   (mesh from an existing group)

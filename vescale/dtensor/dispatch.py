@@ -33,6 +33,7 @@ from vescale.dtensor._torch_compat import (
     OpSchema,
     OutputSharding,
     TensorMeta,
+    TracingContext,
     compute_global_tensor_info,
     redistribute_cost,
 )
@@ -327,7 +328,7 @@ def _traced_user_line() -> str:
     meta = torch.fx.traceback.get_current_meta() or {}
     line = user_line_of_stack(meta.get("stack_trace") or "")
     if not line and torch.compiler.is_compiling():  # Dynamo running the user frame
-        line = user_line_of_stack("".join(torch._guards.TracingContext.extract_stack().format()))
+        line = user_line_of_stack("".join(TracingContext.extract_stack().format()))
     return f" at {line}" if line else ""
 
 
