@@ -39,3 +39,9 @@ def test_signatures_we_call():
     assert {"_init_backend", "_rank"} <= set(inspect.signature(DeviceMesh.__init__).parameters)
     assert list(inspect.signature(compat.OpDispatcher.wrap).parameters) == ["res", "spec"]
     assert torch.__version__.split("+")[0] >= "2.13"
+
+
+def test_inductor_pieces_import():
+    compile_fx_inner, select_decomp_table, partition = compat.inductor_pieces()
+    assert callable(compile_fx_inner) and callable(partition)
+    assert torch.ops.aten.t.default in select_decomp_table()  # why Inductor needs its decomps
