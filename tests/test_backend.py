@@ -35,3 +35,31 @@ def test_backend_entry_point_without_import():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_failed_capture_falls_back_to_eager_with_one_warning(monkeypatch):
+    import pytest
+
+    from vescale import backend
+    from vescale.passes import PassManager
+
+    def unsupported(gm, ctx):
+        raise NotImplementedError("aten.frobnicate on (Shard(dim=0),) is not supported")
+
+    monkeypatch.setattr(backend, "PIPELINE", PassManager([("unsupported", unsupported)]))
+    x = torch.randn(8, dtype=torch.float64)
+    torch._dynamo.reset()
+    f = torch.compile(lambda t: torch.sin(t) * 2, backend="vescale", options={"codegen": "fx"})
+    with pytest.warns(
+        UserWarning,
+        match=r"graph\d+ runs eagerly, its capture failed: NotImplementedError: aten.frobnicate on \(Shard\(dim=0\),\)",
+    ):
+        out = f(x)
+    assert torch.equal(out, torch.sin(x) * 2)
+    torch._dynamo.reset()
+    g = torch.compile(
+        lambda t: torch.cos(t), backend="vescale", options={"codegen": "fx", "strict": True}
+    )
+    with pytest.raises(Exception, match=r"aten\.frobnicate"):
+        g(x)
+    torch._dynamo.reset()
