@@ -21,6 +21,12 @@ from vescale.backend import BackendOptions
 LAYOUT = {"w1": [Shard(0)], "b1": [Shard(0)], "w2": [Shard(1)]}
 
 
+def _line_of(marker):
+    """The line number in this file of the source line containing ``marker``."""
+    lines = Path(__file__).read_text().splitlines()
+    return next(i for i, s in enumerate(lines, 1) if marker in s and "_line_of" not in s)
+
+
 def _params():
     g = torch.Generator().manual_seed(0)
     return {
@@ -111,11 +117,7 @@ def _check_collectives(dump_root):
     assert rec["kind"] == "all_reduce" and rec["group_ranks"] == [0, 1, 2, 3]
     assert rec["mesh_dim"] == 0 and rec["dtype"] == "float32"
     assert rec["bytes"] == 6 * 4 * 4 and rec["bucket"] is None
-    line = next(
-        i
-        for i, s in enumerate(Path(__file__).read_text().splitlines(), 1)
-        if "the one forward all-reduce" in s
-    )
+    line = _line_of("the one forward all-reduce")
     assert rec["source"] == f"test_compiler.py:{line}", rec
     assert rec["graph"].endswith(".forward")
     graph_dir = dump / f"rank{rank}" / rec["graph"]
@@ -148,11 +150,7 @@ def _check_explicit_at_compile_time():
     torch._dynamo.reset()
     with pytest.raises(Exception) as err:
         torch.compile(f, backend="vescale", options={"codegen": "fx"})(a, b)
-    line = next(
-        i
-        for i, s in enumerate(Path(__file__).read_text().splitlines(), 1)
-        if "needs an implicit all-gather" in s
-    )
+    line = _line_of("needs an implicit all-gather")
     assert "aten.mm.default" in str(err.value) and "implicit redistribution" in str(err.value)
     assert f"test_compiler.py:{line}" in str(err.value), str(err.value)[:500]
 
