@@ -1,128 +1,139 @@
-"""Tensor-parallel MLP training on a CPU mesh, eager and with ``backend="vescale"``,
-checked step by step against the same model on one device.
+"""Train a small GPT on a 2-D (data parallel x tensor parallel) CPU mesh with
+``torch.compile(backend="vescale")``, beside eager vescale and the same model on one device.
 
-    torchrun --standalone --nproc-per-node 4 examples/train_demo.py [--dump-dir DIR]
+    torchrun --standalone --nproc-per-node 4 examples/train_demo.py [--steps N] [--dump-dir DIR]
 
-Megatron-style layout: the first linear is column-parallel (weight ``Shard(0)``), the second
-row-parallel (weight ``Shard(1)``); its output is ``Partial`` and one explicit all-reduce
-makes it ``Replicate``. Each step prints the tensor-parallel loss beside the loss of the
-same model trained on a single device.
+The model (``examples/gpt.py``) is plain PyTorch; ``gpt.parallelize`` lays it out Megatron-style
+over tp and ``vescale.ddp.DistributedDataParallel`` reduces gradients over dp. Each step prints
+the compiled, eager and single-device losses; then the collectives of the compiled graphs
+(from ``collectives.json``), the compile time and where the dumps went. Exits 1 if any loss
+differs from single device by more than the tolerance.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpt
 
 import vescale
-from vescale import Replicate, Shard
+from vescale.ddp import DistributedDataParallel
 
-D_IN, HIDDEN, D_OUT, BATCH = 16, 64, 8, 32
-
-
-def init_params(seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "w1": torch.randn(HIDDEN, D_IN, generator=g) * D_IN**-0.5,
-        "b1": torch.randn(HIDDEN, generator=g) * 0.1,
-        "w2": torch.randn(D_OUT, HIDDEN, generator=g) * HIDDEN**-0.5,
-        "b2": torch.randn(D_OUT, generator=g) * 0.1,
-    }
+TOLERANCE = 1e-5
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(BATCH, D_IN, generator=g), torch.randn(BATCH, D_OUT, generator=g)
-
-
-def mlp(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    h = F.gelu(x @ p["w1"].T + p["b1"])
-    y = h @ p["w2"].T
-    if isinstance(y, vescale.DTensor):
-        y = y.redistribute(placements=[Replicate()])  # Partial -> Replicate: one all-reduce
-    return y + p["b2"]
-
-
-def train(model, params: dict[str, torch.Tensor], steps: int, lr: float, to_input) -> list[float]:
-    opt = torch.optim.SGD(list(params.values()), lr=lr)
-    losses = []
+def train(model: torch.nn.Module, steps: int, lr: float, to_inputs) -> tuple[list[float], float]:
+    """Per-step losses of ``steps`` SGD steps, and the seconds the first step took."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, first = [], 0.0
     for step in range(steps):
-        x, target = batch(step)
-        loss = F.mse_loss(model(params, to_input(x)), to_input(target))
+        t0 = time.perf_counter()
+        loss = model(*to_inputs(*gpt.batch(model_cfg(model), step)))
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if step == 0:
+            first = time.perf_counter() - t0
         losses.append(
             loss.full_tensor().item() if isinstance(loss, vescale.DTensor) else loss.item()
         )
-    return losses
+    return losses, first
 
 
-def tensor_parallel_losses(
-    steps: int = 5, lr: float = 0.1, dump_dir: str | None = None
-) -> tuple[list[float], list[float], list[float]]:
-    """(eager TP losses, compiled TP losses, single-device losses) over ``steps`` SGD steps."""
-    mesh = vescale.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
-    layout = {"w1": [Shard(0)], "b1": [Shard(0)], "w2": [Shard(1)], "b2": [Replicate()]}
-    full = init_params()
+def model_cfg(model: torch.nn.Module) -> gpt.GPTConfig:
+    inner = getattr(model, "_orig_mod", model)
+    return getattr(inner, "module", inner).cfg
 
-    def sharded() -> dict[str, torch.Tensor]:
-        return {
-            k: vescale.distribute_tensor(v, mesh, layout[k]).requires_grad_(True)
-            for k, v in full.items()
-        }
 
-    def replicated(t: torch.Tensor) -> torch.Tensor:
-        return vescale.distribute_tensor(t, mesh, [Replicate()])
+def gpt_losses(
+    steps: int = 5,
+    lr: float = 0.5,
+    options: dict | None = None,
+    cfg: gpt.GPTConfig | None = None,
+) -> dict[str, tuple[list[float], float]]:
+    """{"vescale": ..., "eager": ..., "1-device": ...}: (per-step losses, first-step seconds)
+    of the GPT trained on a (world/2, 2) mesh compiled, eagerly, and on one device."""
+    cfg = cfg or gpt.GPTConfig()
+    world = dist.get_world_size()
+    mesh = vescale.init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
 
-    options = {"dump_dir": dump_dir} if dump_dir else None
-    compiled_mlp = torch.compile(mlp, backend="vescale", options=options)
-    eager = train(mlp, sharded(), steps, lr, replicated)
-    compiled = train(compiled_mlp, sharded(), steps, lr, replicated)
-    single = {k: v.clone().requires_grad_(True) for k, v in full.items()}
-    ref = train(mlp, single, steps, lr, lambda t: t)
-    return eager, compiled, ref
+    def distributed() -> torch.nn.Module:
+        return DistributedDataParallel(gpt.parallelize(gpt.build(cfg), mesh))
+
+    def sharded(ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return gpt.shard_batch(mesh, ids, targets)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(distributed(), backend="vescale", options=options)
+    return {
+        "vescale": train(compiled, steps, lr, sharded),
+        "eager": train(distributed(), steps, lr, sharded),
+        "1-device": train(gpt.build(cfg), steps, lr, lambda i, t: (i, t)),
+    }
+
+
+def _summary(dump_dir: Path) -> list[str]:
+    records = json.loads((dump_dir / "rank0" / "collectives.json").read_text())
+    per: Counter[tuple] = Counter()
+    nbytes: Counter[tuple] = Counter()
+    for r in records:
+        key = (r["graph"].rsplit(".", 1)[1], r["kind"], r["mesh_dim"])
+        per[key] += 1
+        nbytes[key] += r["bytes"]
+    lines = [f"{'graph':<9} {'collective':<15} {'mesh dim':>8} {'count':>6} {'bytes':>9}"]
+    for key in sorted(per):
+        lines.append(f"{key[0]:<9} {key[1]:<15} {key[2]!s:>8} {per[key]:>6} {nbytes[key]:>9}")
+    sources = sorted({r["source"] for r in records})
+    lines.append(f"caused by: {', '.join(sources)}")
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--codegen", default="inductor", choices=["inductor", "fx"])
     parser.add_argument("--dump-dir", default="vescale_dumps")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    if dist.get_world_size() % 2:
+        raise SystemExit("train_demo: needs an even number of ranks (a (world/2, 2) mesh)")
     rank = dist.get_rank()
-    t0 = time.perf_counter()
-    eager, compiled, ref = tensor_parallel_losses(args.steps, args.lr, args.dump_dir)
-    worst = max(abs(a - c) for run in (eager, compiled) for a, c in zip(run, ref))
+    options = {"codegen": args.codegen, "dump_dir": args.dump_dir}
+    runs = gpt_losses(args.steps, args.lr, options)
+    ref = runs["1-device"][0]
+    worst = max(abs(a - b) for name in ("vescale", "eager") for a, b in zip(runs[name][0], ref))
     if rank == 0:
-        print(f"tensor-parallel MLP on {dist.get_world_size()} CPU ranks (gloo)")
-        print(f"{'step':>4}  {'eager':>10}  {'vescale':>10}  {'1-device':>10}  {'max |diff|':>10}")
-        for i, (a, b, c) in enumerate(zip(eager, compiled, ref)):
+        dp = dist.get_world_size() // 2
+        print(f"GPT {gpt.GPTConfig()} on a (dp={dp}, tp=2) mesh of CPU ranks (gloo)")
+        print(f"{'step':>4}  {'vescale':>10}  {'eager':>10}  {'1-device':>10}  {'max |diff|':>10}")
+        for i, (c, e, r) in enumerate(zip(runs["vescale"][0], runs["eager"][0], ref)):
             print(
-                f"{i:>4}  {a:>10.6f}  {b:>10.6f}  {c:>10.6f}  {max(abs(a - c), abs(b - c)):>10.2e}"
+                f"{i:>4}  {c:>10.6f}  {e:>10.6f}  {r:>10.6f}  {max(abs(c - r), abs(e - r)):>10.2e}"
             )
-        records = json.loads((Path(args.dump_dir) / "rank0" / "collectives.json").read_text())
-        for r in records:
-            print(
-                f"collective: {r['graph']} {r['kind']} {r['bytes']} B over ranks {r['group_ranks']}"
-                f" (mesh dim {r['mesh_dim']}) from {r['source']}"
-            )
+        print("\n".join(_summary(Path(args.dump_dir))))
         print(
-            f"graph dumps: {Path(args.dump_dir).resolve()}/rank*/ ({time.perf_counter() - t0:.1f} s)"
+            f"first step (compile + run) {runs['vescale'][1]:.1f} s with backend=vescale "
+            f"({args.codegen}); eager {runs['eager'][1]:.2f} s"
         )
-        print(f"max |diff| = {worst:.2e} ({'OK' if worst <= 1e-5 else 'MISMATCH'}, tolerance 1e-5)")
+        print(f"graph dumps: {Path(args.dump_dir).resolve()}/rank*/")
+        verdict = "OK" if worst <= TOLERANCE else "MISMATCH"
+        print(f"max |diff| = {worst:.2e} ({verdict}, tolerance {TOLERANCE:.0e})")
     dist.barrier()
     dist.destroy_process_group()
-    if worst > 1e-5:
+    if worst > TOLERANCE:
         raise SystemExit(1)
 
 

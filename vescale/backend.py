@@ -9,11 +9,17 @@ they are). Options (``torch.compile(..., options={...})`` or env vars):
 * ``eager`` / ``VESCALE_COMPILE_EAGER=1``: run the captured program through eager DTensor.
 * ``dump_dir`` / ``VESCALE_DUMP_DIR``: per rank, ``graph.<pass>.txt`` for every graph and
   pass, and ``collectives.json``.
-* ``strict``: raise instead of falling back to eager on an unsupported construct.
+* ``explicit``: forbid (``True``) or allow (``False``) implicit redistribution while this
+  backend traces, overriding ``VESCALE_DISABLE_REDISTRIBUTE`` (default: the env var / scope).
+* ``strict``: raise instead of falling back on an unsupported construct. Without it, a
+  capture failure (e.g. an op with no sharding strategy for its placements) runs that graph
+  eagerly and a graph Inductor cannot compile runs as captured (FX), each with one warning
+  naming the graph and the error (op, placements and mesh for a missing strategy).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -34,7 +40,7 @@ from vescale.dtensor._torch_compat import (
     make_boxed_func,
     register_backend,
 )
-from vescale.dtensor.dispatch import ImplicitRedistributionError
+from vescale.dtensor.dispatch import ImplicitRedistributionError, explicit_redistribute
 from vescale.passes import PassContext, PassManager, annotate
 
 __all__ = ["BackendOptions", "register", "vescale_backend"]
@@ -51,6 +57,7 @@ class BackendOptions:
     codegen: str = "inductor"
     eager: bool = False
     dump_dir: str | None = None
+    explicit: bool | None = None
     strict: bool = False
 
     @classmethod
@@ -104,7 +111,12 @@ def _graph_compiler(opts: BackendOptions, name: str) -> Any:
             sink.append((name, gm, ctx))
         if opts.codegen == "inductor":
             compile_fx_inner, _, _ = inductor_pieces()
-            return compile_fx_inner(gm, example_inputs)
+            try:
+                return compile_fx_inner(gm, example_inputs)
+            except Exception as err:
+                if opts.strict:
+                    raise
+                _warn(f"{name} runs as captured (FX), Inductor failed", err)
         return make_boxed_func(gm.forward)
 
     return compile_graph
@@ -130,20 +142,24 @@ def vescale_backend(
         bw_compiler=_graph_compiler(opts, f"graph{gid}.backward"),
         **extra,
     )
+    explicit = (
+        contextlib.nullcontext() if opts.explicit is None else explicit_redistribute(opts.explicit)
+    )
     try:
-        with recording():
+        with recording(), explicit:
             return aot(gm, example_inputs)
     except ImplicitRedistributionError:
         raise
     except Exception as err:
         if opts.strict:
             raise
-        warnings.warn(
-            f"vescale backend: graph{gid} runs eagerly, its capture failed: "
-            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
-            stacklevel=2,
-        )
+        _warn(f"graph{gid} runs eagerly, its capture failed", err)
         return gm.forward
+
+
+def _warn(what: str, err: Exception) -> None:
+    first = str(err).splitlines()[0] if str(err) else ""
+    warnings.warn(f"vescale backend: {what}: {type(err).__name__}: {first}", stacklevel=3)
 
 
 def register() -> None:

@@ -15,6 +15,7 @@ OWNERS = {
     "DTensor": DTensor,
     "OpDispatcher": compat.OpDispatcher,
     "ExplicitRedistributionContext": compat.ExplicitRedistributionContext,
+    "ShardingPropagator": type(DTensor._op_dispatcher.sharding_propagator),
 }
 
 

@@ -22,10 +22,15 @@ from torch.distributed.distributed_c10d import _resolve_process_group as resolve
 from torch.distributed.tensor._collective_utils import redistribute_cost
 from torch.distributed.tensor._dispatch import OpDispatcher
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpInfo, OpSchema, OutputSharding
+from torch.distributed.tensor._op_schema import OpInfo, OpSchema, OpStrategy, OutputSharding
+from torch.distributed.tensor._ops.utils import (
+    expand_to_full_mesh_op_strategy,
+    register_op_strategy,
+)
 from torch.distributed.tensor._redistribute import (
     redistribute_local_tensor as upstream_redistribute_local_tensor,
 )
+from torch.distributed.tensor._sharding_prop import LocalLRUCache
 from torch.distributed.tensor._utils import (
     ExplicitRedistributionContext,
     compute_global_tensor_info,
@@ -39,10 +44,12 @@ __all__ = [
     "DTensorSpec",
     "ExplicitRedistributionContext",
     "FunctionalTensor",
+    "LocalLRUCache",
     "MemberType",
     "OpDispatcher",
     "OpInfo",
     "OpSchema",
+    "OpStrategy",
     "OutputSharding",
     "TensorMeta",
     "TracingContext",
@@ -51,6 +58,7 @@ __all__ = [
     "are_we_tracing",
     "compute_global_tensor_info",
     "compute_local_shape_and_global_offset",
+    "expand_to_full_mesh_op_strategy",
     "from_functional_tensor",
     "get_proxy_mode",
     "get_proxy_slot",
@@ -59,6 +67,7 @@ __all__ = [
     "maybe_run_for_local_tensor",
     "redistribute_cost",
     "register_backend",
+    "register_op_strategy",
     "register_opaque_type",
     "resolve_process_group",
     "upstream_redistribute_local_tensor",
@@ -85,6 +94,7 @@ def inductor_pieces() -> tuple[Any, Any, Any]:
 #     _dispatch_get_local_results_slow_path, _dispatch_fast_path_python_tail
 #                                                          (per-op hooks, Python dispatch)
 #   ExplicitRedistributionContext.observe_redistribution   (explicit-redistribution mode)
+#   ShardingPropagator.propagate_op_sharding(_non_cached)   (errors naming op, placements, mesh)
 #   OpDispatcher.wrap                                        (op outputs become vescale.DTensor)
 #   DTensor._local_tensor, DTensor._spec                     (the DTensor payload)
 PRIVATE_ATTRIBUTES = (
@@ -98,6 +108,8 @@ PRIVATE_ATTRIBUTES = (
     ("OpDispatcher", "_dispatch_fast_path_python_tail"),
     ("OpDispatcher", "_custom_op_handlers"),
     ("ExplicitRedistributionContext", "observe_redistribution"),
+    ("ShardingPropagator", "propagate_op_sharding"),
+    ("ShardingPropagator", "propagate_op_sharding_non_cached"),
     ("DTensor", "_local_tensor"),
     ("DTensor", "_spec"),
 )

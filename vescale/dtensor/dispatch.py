@@ -10,7 +10,12 @@ Explicit mode (``VESCALE_DISABLE_REDISTRIBUTE``, default ``"1"``, or
 :func:`explicit_redistribute`): an op whose inputs would need a redistribution that
 communicates raises ``RuntimeError`` naming the op, the input placements and the placements
 the strategy wanted. Local steps (e.g. Replicate -> Shard) stay allowed; explicit
-``redistribute()`` calls always are.
+``redistribute()`` calls always are. The rule covers the forward, the code users write:
+inside backward (the autograd engine running, eager or while AOTAutograd traces it) a
+redistribution is the adjoint of a layout the forward chose (e.g. the all-reduce of a
+column-parallel input's ``Partial`` gradient, or of cross-entropy's total weight) and no
+user code could annotate it, so it is allowed; compiled graphs still list it in
+``collectives.json`` with its reason.
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ from vescale.dtensor import api
 from vescale.dtensor._torch_compat import (
     DTensorSpec,
     ExplicitRedistributionContext,
+    LocalLRUCache,
     OpSchema,
     OutputSharding,
     TensorMeta,
     TracingContext,
     compute_global_tensor_info,
+    get_proxy_mode,
     redistribute_cost,
 )
 from vescale.dtensor.dtensor import DTensor
@@ -42,6 +49,7 @@ from vescale.dtensor.placement_types import Placement
 
 __all__ = [
     "ImplicitRedistributionError",
+    "UnsupportedOpError",
     "_bypass_for_dispatch",
     "_bypass_for_sharding_prop",
     "_post_patch_for_dispatch",
@@ -286,6 +294,45 @@ _post_patch_for_dispatch = post_dispatch_patch
 _bypass_for_sharding_prop = bypass_sharding_prop
 
 
+# ---- unsupported ops ----------------------------------------------------------------------
+
+
+class UnsupportedOpError(NotImplementedError):
+    """No sharding strategy for an op; names the op, its input placements and the mesh.
+
+    A ``NotImplementedError``, so upstream still decomposes CompositeImplicit ops on it."""
+
+
+def _describe_inputs(schema: OpSchema) -> str:
+    specs = [a for a in schema.args_schema if isinstance(a, DTensorSpec)]
+    specs += [v for v in schema.kwargs_schema.values() if isinstance(v, DTensorSpec)]
+    inputs = ", ".join(f"{tuple(s.placements)} {list(s.shape)}" for s in specs)
+    mesh = specs[0].mesh if specs else None
+    return f"inputs {inputs} on {mesh}"
+
+
+_propagator = _dispatcher.sharding_propagator
+_upstream_propagate = _propagator.propagate_op_sharding_non_cached
+
+
+def _propagate_naming_placements(op_schema: OpSchema) -> OutputSharding:
+    try:
+        return _upstream_propagate(op_schema)  # type: ignore[no-any-return]
+    except UnsupportedOpError:
+        raise
+    except NotImplementedError as err:
+        raise UnsupportedOpError(
+            f"{op_schema.op}: no sharding strategy for {_describe_inputs(op_schema)} "
+            f"({err}); redistribute its inputs and call it on local tensors, or register a "
+            f"strategy (vescale.dtensor.dispatch.bypass_sharding_prop)"
+        ) from err
+
+
+# Misses only: the C++ sharding cache still answers every repeated call first.
+_propagator.propagate_op_sharding_non_cached = _propagate_naming_placements  # type: ignore[method-assign]
+_propagator.propagate_op_sharding = LocalLRUCache(_propagate_naming_placements)  # type: ignore[method-assign]
+
+
 # ---- explicit redistribution ------------------------------------------------------------
 
 _explicit = threading.local()
@@ -332,13 +379,27 @@ def _traced_user_line() -> str:
     return f" at {line}" if line else ""
 
 
+def _dynamo_propagating() -> bool:
+    """Dynamo's fake-tensor pass over the user frame (compiling, no proxy tracer yet).
+
+    The check is deferred from it to the pass that follows with the same dispatch: the
+    vescale backend's AOT trace, where its ``explicit`` option is in effect (other backends:
+    AOT tracing, or eager dispatch at run time)."""
+    return torch.compiler.is_compiling() and get_proxy_mode() is None
+
+
 _upstream_observe = ExplicitRedistributionContext.observe_redistribution
 
 
 def _observe_redistribution(
     cls: type, src_spec: DTensorSpec, dst_spec: DTensorSpec, redistribution_msg: Any
 ) -> None:
-    if explicit_redistribute_enabled() and redistribute_cost(src_spec, dst_spec) > 0:
+    if (
+        explicit_redistribute_enabled()
+        and torch._C._current_graph_task_id() == -1  # not inside backward: see module docstring
+        and not _dynamo_propagating()
+        and redistribute_cost(src_spec, dst_spec) > 0
+    ):
         op = _op_of(redistribution_msg)
         raise ImplicitRedistributionError(
             f"{op}{_traced_user_line()}: implicit redistribution of an input from {tuple(src_spec.placements)} to "

@@ -62,9 +62,11 @@ def user_source(node: torch.fx.Node) -> str:
 
 
 def user_line_of_stack(stack_trace: str) -> str:
-    """``file.py:line`` of the innermost frame outside torch and vescale ("" if none)."""
+    """``file.py:line`` of the innermost frame outside torch and vescale, else (a vescale
+    module such as the DDP wrapper at the top of the traced region) outside torch; "" if none."""
     frames = _FRAME.findall(stack_trace)
     user = [f for f in frames if not f[0].startswith(_INTERNAL)]
+    user = user or [f for f in frames if not f[0].startswith(_INTERNAL[0])]
     if not user:
         return ""
     path, line = user[-1]

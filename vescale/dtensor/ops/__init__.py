@@ -1,5 +1,5 @@
 """Op behaviour vescale adds to upstream's registry, one module per op family."""
 
-from vescale.dtensor.ops import comparison, data_dependent
+from vescale.dtensor.ops import attention, comparison, data_dependent, loss
 
-__all__ = ["comparison", "data_dependent"]
+__all__ = ["attention", "comparison", "data_dependent", "loss"]
