@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,13 +34,20 @@ from vescale.ddp import DistributedDataParallel
 TOLERANCE = 1e-5
 
 
-def train(model: torch.nn.Module, steps: int, lr: float, to_inputs) -> tuple[list[float], float]:
-    """Per-step losses of ``steps`` SGD steps, and the seconds the first step took."""
+class Run(NamedTuple):
+    losses: list[float]
+    first_step_s: float
+    params: dict[str, torch.Tensor]
+
+
+def train(model: torch.nn.Module, cfg: gpt.GPTConfig, steps: int, lr: float, to_inputs) -> Run:
+    """Per-step losses of ``steps`` SGD steps, the seconds the first step took, and the
+    trained parameters (full tensors, by name)."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses, first = [], 0.0
     for step in range(steps):
         t0 = time.perf_counter()
-        loss = model(*to_inputs(*gpt.batch(model_cfg(model), step)))
+        loss = model(*to_inputs(*gpt.batch(cfg, step)))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -48,22 +56,23 @@ def train(model: torch.nn.Module, steps: int, lr: float, to_inputs) -> tuple[lis
         losses.append(
             loss.full_tensor().item() if isinstance(loss, vescale.DTensor) else loss.item()
         )
-    return losses, first
+    params = {  # names without the torch.compile / DDP wrapper prefixes
+        name.removeprefix("_orig_mod.").removeprefix("module."): (
+            p.full_tensor() if isinstance(p, vescale.DTensor) else p
+        ).detach()
+        for name, p in model.named_parameters()
+    }
+    return Run(losses, first, params)
 
 
-def model_cfg(model: torch.nn.Module) -> gpt.GPTConfig:
-    inner = getattr(model, "_orig_mod", model)
-    return getattr(inner, "module", inner).cfg
-
-
-def gpt_losses(
+def gpt_runs(
     steps: int = 5,
     lr: float = 0.5,
     options: dict | None = None,
     cfg: gpt.GPTConfig | None = None,
-) -> dict[str, tuple[list[float], float]]:
-    """{"vescale": ..., "eager": ..., "1-device": ...}: (per-step losses, first-step seconds)
-    of the GPT trained on a (world/2, 2) mesh compiled, eagerly, and on one device."""
+) -> dict[str, Run]:
+    """{"vescale": ..., "eager": ..., "1-device": ...}: the GPT trained on a (world/2, 2) mesh
+    compiled with ``options``, eagerly, and on one device."""
     cfg = cfg or gpt.GPTConfig()
     world = dist.get_world_size()
     mesh = vescale.init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
@@ -77,9 +86,9 @@ def gpt_losses(
     torch._dynamo.reset()
     compiled = torch.compile(distributed(), backend="vescale", options=options)
     return {
-        "vescale": train(compiled, steps, lr, sharded),
-        "eager": train(distributed(), steps, lr, sharded),
-        "1-device": train(gpt.build(cfg), steps, lr, lambda i, t: (i, t)),
+        "vescale": train(compiled, cfg, steps, lr, sharded),
+        "eager": train(distributed(), cfg, steps, lr, sharded),
+        "1-device": train(gpt.build(cfg), cfg, steps, lr, lambda i, t: (i, t)),
     }
 
 
@@ -112,21 +121,21 @@ def main() -> None:
         raise SystemExit("train_demo: needs an even number of ranks (a (world/2, 2) mesh)")
     rank = dist.get_rank()
     options = {"codegen": args.codegen, "dump_dir": args.dump_dir}
-    runs = gpt_losses(args.steps, args.lr, options)
-    ref = runs["1-device"][0]
-    worst = max(abs(a - b) for name in ("vescale", "eager") for a, b in zip(runs[name][0], ref))
+    runs = gpt_runs(args.steps, args.lr, options)
+    ref = runs["1-device"].losses
+    worst = max(abs(a - b) for name in ("vescale", "eager") for a, b in zip(runs[name].losses, ref))
     if rank == 0:
         dp = dist.get_world_size() // 2
         print(f"GPT {gpt.GPTConfig()} on a (dp={dp}, tp=2) mesh of CPU ranks (gloo)")
         print(f"{'step':>4}  {'vescale':>10}  {'eager':>10}  {'1-device':>10}  {'max |diff|':>10}")
-        for i, (c, e, r) in enumerate(zip(runs["vescale"][0], runs["eager"][0], ref)):
+        for i, (c, e, r) in enumerate(zip(runs["vescale"].losses, runs["eager"].losses, ref)):
             print(
                 f"{i:>4}  {c:>10.6f}  {e:>10.6f}  {r:>10.6f}  {max(abs(c - r), abs(e - r)):>10.2e}"
             )
         print("\n".join(_summary(Path(args.dump_dir))))
         print(
-            f"first step (compile + run) {runs['vescale'][1]:.1f} s with backend=vescale "
-            f"({args.codegen}); eager {runs['eager'][1]:.2f} s"
+            f"first step (compile + run) {runs['vescale'].first_step_s:.1f} s with backend=vescale "
+            f"({args.codegen}); eager {runs['eager'].first_step_s:.2f} s"
         )
         print(f"graph dumps: {Path(args.dump_dir).resolve()}/rank*/")
         verdict = "OK" if worst <= TOLERANCE else "MISMATCH"

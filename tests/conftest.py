@@ -1,6 +1,11 @@
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The example models (examples/gpt.py, examples/train_demo.py) are test subjects too; worker
+# processes inherit this path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import pytest
 

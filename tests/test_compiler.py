@@ -5,7 +5,9 @@ collectives.json lists exactly those with bytes and a source line in this file."
 from __future__ import annotations
 
 import json
+import re
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import vescale
 from tests.dtensor.reference import mesh_of
+from tests.harness.collectives import count_collectives
 from vescale import Replicate, Shard
 from vescale.backend import BackendOptions
 
@@ -183,3 +186,169 @@ def _check_every_node_placed(dump_root):
 def test_every_compute_node_has_placements(pool4):
     with tempfile.TemporaryDirectory() as root:
         pool4.run(_check_every_node_placed, root)
+
+
+# ---- the GPT of the demo on a (dp=2, tp=2) mesh ---------------------------------------------
+
+
+def _gpt_runs(mode):
+    import train_demo
+
+    options = None if mode == "eager-env" else {"codegen": mode}
+    runs = train_demo.gpt_runs(steps=3, options=options)
+    return {name: (run.losses, run.params) for name, run in runs.items()}
+
+
+@pytest.mark.parametrize("mode", ["inductor", "fx", "eager-env"])
+def test_gpt_2d_compiled_equals_eager_and_single_device(pool4, mode):
+    env = {"VESCALE_COMPILE_EAGER": "1"} if mode == "eager-env" else {}
+    for runs in pool4.run(_gpt_runs, mode, env=env):
+        ref_losses, ref_params = runs["1-device"]
+        assert ref_losses[-1] < ref_losses[0]  # it trains
+        for name in ("vescale", "eager"):
+            losses, params = runs[name]
+            assert all(abs(a - b) < 1e-5 for a, b in zip(losses, ref_losses)), (name, losses)
+            assert params.keys() == ref_params.keys()
+            for k, v in params.items():
+                torch.testing.assert_close(v, ref_params[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+def _check_gpt_collectives(dump_root):
+    import gpt
+
+    from vescale.ddp import DistributedDataParallel
+
+    torch._dynamo.reset()
+    mesh = vescale.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    cfg = gpt.GPTConfig()
+    inputs = gpt.shard_batch(mesh, *gpt.batch(cfg, 0))
+    eager = DistributedDataParallel(gpt.parallelize(gpt.build(cfg), mesh))
+    with count_collectives() as eager_counts:  # CommDebugMode misses in-dispatch collectives
+        eager(*inputs).backward()
+    model = DistributedDataParallel(gpt.parallelize(gpt.build(cfg), mesh))
+    options = {"codegen": "fx", "dump_dir": dump_root}
+    torch.compile(model, backend="vescale", options=options)(*inputs).backward()
+    rank = torch.distributed.get_rank()
+    records = json.loads((Path(dump_root) / f"rank{rank}" / "collectives.json").read_text())
+    assert Counter(r["kind"] for r in records) == eager_counts, (
+        eager_counts,
+        Counter(r["kind"] for r in records),
+    )
+    # forward: per block the two row-parallel all-reduces, then the head's all-gather (tp)
+    forward = [(r["kind"], r["mesh_dim"]) for r in records if r["graph"].endswith("forward")]
+    assert forward == [("all_reduce", 1)] * 4 + [("all_gather", 1)], forward
+    # backward: every parameter's gradient all-reduced over dp, once
+    dp_grads = [r for r in records if r["graph"].endswith("backward") and r["mesh_dim"] == 0]
+    n_params = len(list(model.parameters()))
+    assert (
+        sum(r["source"].startswith("distributed_data_parallel.py:") for r in dp_grads) == n_params
+    )
+    for r in records:
+        assert r["bytes"] > 0 and re.fullmatch(r"[\w.]+\.py:\d+", r["source"]), r
+        assert r["group_ranks"] == (
+            [rank % 2, rank % 2 + 2] if r["mesh_dim"] == 0 else [rank // 2 * 2, rank // 2 * 2 + 1]
+        ), r
+
+
+def test_gpt_collectives_match_eager(pool4):
+    with tempfile.TemporaryDirectory() as root:
+        pool4.run(_check_gpt_collectives, root)
+
+
+# ---- fallbacks and options ------------------------------------------------------------------
+
+
+def _eager_only_tanh_backward(op, args, kwargs):
+    """A user's dispatch hook that works eagerly; ``.numpy()`` cannot be traced."""
+    from vescale.dtensor.dispatch import python_dispatch
+
+    assert args[0]._local_tensor.detach().numpy() is not None
+    return python_dispatch(op, args, kwargs)
+
+
+def _check_uncapturable_graph_falls_back():
+    from vescale.dtensor.dispatch import bypass_dispatch, unregister_bypass_dispatch
+
+    mesh = mesh_of((4,))
+    x = torch.randn(8, 6, dtype=torch.float64)
+    a = vescale.distribute_tensor(x, mesh, [Shard(0)]).requires_grad_(True)
+
+    def f(a):
+        return (a.tanh() * 3).sum()  # its backward is uncapturable
+
+    bypass_dispatch(torch.ops.aten.tanh_backward.default)(_eager_only_tanh_backward)
+    try:
+        torch._dynamo.reset()
+        with pytest.warns(UserWarning) as caught:
+            out = torch.compile(f, backend="vescale", options={"codegen": "fx"})(a)
+        messages = [str(w.message) for w in caught if "vescale backend" in str(w.message)]
+        assert len(messages) == 1, messages
+        site = (
+            "runs eagerly, its capture failed at aten.tanh_backward.default on "
+            "(Replicate(),) [8, 6], (Shard(dim=0),) [8, 6]"  # grad, tanh output
+        )
+        assert site in messages[0], messages
+        out.backward()
+        ref = x.clone().requires_grad_(True)
+        (ref.tanh() * 3).sum().backward()
+        torch.testing.assert_close(out.full_tensor(), (x.tanh() * 3).sum())
+        torch.testing.assert_close(a.grad.full_tensor(), ref.grad)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="numpy"):
+            torch.compile(f, backend="vescale", options={"codegen": "fx", "strict": True})(a)
+    finally:
+        unregister_bypass_dispatch(torch.ops.aten.tanh_backward.default)
+        torch._dynamo.reset()
+
+
+def test_uncapturable_graph_warns_naming_op_placements_and_line(pool4):
+    pool4.run(_check_uncapturable_graph_falls_back)
+
+
+def _check_explicit_option():
+    mesh = mesh_of((4,))
+    a = vescale.distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)])
+    b = vescale.distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)])
+
+    def f(a, b):
+        return a @ b  # implicit all-gather of b
+
+    torch._dynamo.reset()
+    out = torch.compile(f, backend="vescale", options={"codegen": "fx", "explicit": False})(a, b)
+    torch.testing.assert_close(out.full_tensor(), a.full_tensor() @ b.full_tensor())
+    torch._dynamo.reset()
+    with vescale.dtensor.explicit_redistribute(False), pytest.raises(Exception) as err:
+        torch.compile(f, backend="vescale", options={"codegen": "fx", "explicit": True})(a, b)
+    assert f"test_compiler.py:{_line_of('implicit all-gather of b')}" in str(err.value)
+
+
+def test_explicit_option_overrides_env_and_scope(pool4):
+    pool4.run(_check_explicit_option)
+
+
+def test_inductor_failure_runs_graph_as_captured(monkeypatch):
+    from vescale.dtensor import _torch_compat
+
+    real = _torch_compat.inductor_pieces
+
+    def failing_compile(gm, example_inputs):
+        raise RuntimeError("C++ compile error: frobnicate")
+
+    monkeypatch.setattr("vescale.backend.inductor_pieces", lambda: (failing_compile, *real()[1:]))
+    x = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    torch._dynamo.reset()
+    f = torch.compile(lambda t: torch.sin(t) * 2, backend="vescale")
+    with pytest.warns(
+        UserWarning,
+        match=r"graph\d+\.forward runs as captured \(FX\), Inductor failed: RuntimeError: C\+\+ compile error",
+    ):
+        y = f(x)
+    with pytest.warns(UserWarning, match=r"graph\d+\.backward runs as captured"):
+        y.sum().backward()
+    torch.testing.assert_close(y, torch.sin(x) * 2)
+    torch.testing.assert_close(x.grad, 2 * torch.cos(x))
+    torch._dynamo.reset()
+    g = torch.compile(lambda t: torch.cos(t), backend="vescale", options={"strict": True})
+    with pytest.raises(Exception, match="frobnicate"):
+        g(x)
+    torch._dynamo.reset()

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from vescale.dtensor._recording import recording
 from vescale.dtensor._torch_compat import (
@@ -41,6 +42,7 @@ from vescale.dtensor._torch_compat import (
     register_backend,
 )
 from vescale.dtensor.dispatch import ImplicitRedistributionError, explicit_redistribute
+from vescale.fx.collectives import user_source
 from vescale.passes import PassContext, PassManager, annotate
 
 __all__ = ["BackendOptions", "register", "vescale_backend"]
@@ -153,8 +155,37 @@ def vescale_backend(
     except Exception as err:
         if opts.strict:
             raise
-        _warn(f"graph{gid} runs eagerly, its capture failed", err)
+        _warn(f"graph{gid} runs eagerly, its capture failed{_failure_site(err)}", err)
         return gm.forward
+
+
+def _failure_site(err: BaseException) -> str:
+    """`` at <op> on <input placements and shapes> (file.py:line)`` from ``err``'s traceback:
+    the innermost DTensor op being dispatched (a frame with an ``op``/``op_call`` OpOverload
+    and DTensor ``args``), else the Dynamo graph node AOTAutograd was interpreting (its
+    ``run_node`` frame), which also gives the user line."""
+    op, inputs, node = None, [], None
+    tb = err.__traceback__
+    while tb is not None:
+        local = tb.tb_frame.f_locals
+        candidate = local.get("op_call", local.get("op"))
+        args = local.get("args")
+        if isinstance(candidate, torch._ops.OpOverload) and isinstance(args, tuple | list):
+            tensors = [a for a in args if isinstance(a, DTensor)]
+            if tensors:
+                op, inputs = candidate, tensors
+        if tb.tb_frame.f_code.co_name == "run_node" and isinstance(local.get("n"), torch.fx.Node):
+            node = local["n"]
+        tb = tb.tb_next
+    if op is None and node is not None:
+        op = getattr(node.target, "__name__", node.target)
+        vals = [a.meta.get("example_value") for a in node.all_input_nodes]
+        inputs = [v for v in vals if isinstance(v, DTensor)]
+    if op is None:
+        return ""
+    on = ", ".join(f"{tuple(t.placements)} {list(t.shape)}" for t in inputs)
+    src = user_source(node) if node is not None else ""
+    return f" at {op}{f' on {on}' if on else ''}{f' ({src})' if src else ''}"
 
 
 def _warn(what: str, err: Exception) -> None:

@@ -46,6 +46,12 @@ def _check_errors():
         d.redistribute(mesh_of((4,)), [Replicate()])
     with pytest.raises(RuntimeError, match=r"aten.add.Tensor got mixed torch.Tensor and DTensor"):
         d + torch.ones(4, 4)
+    with pytest.raises(
+        NotImplementedError,
+        match=r"aten._cdist_forward.default: no sharding strategy for inputs "
+        r"\(Shard\(dim=0\), Replicate\(\)\) \[4, 4\], .* on DeviceMesh\(\(2, 2\)",
+    ):
+        torch.cdist(d, d)
     with pytest.raises(ValueError, match="unsupported reduce_op 'mean'"):
         Partial("mean")
     with pytest.raises(ValueError, match="no device_mesh given and none active"):

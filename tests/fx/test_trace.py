@@ -36,10 +36,9 @@ def test_trace_tp_block_at_512_ranks():
             ).requires_grad_(True)
         x = vescale.distribute_tensor(torch.randn(32, 16, d), mesh, [Shard(0), Replicate()])
         t0 = time.perf_counter()
-        # the backward of a column-parallel input needs an all-reduce of its Partial gradient:
-        # implicit, so allowed explicitly here
-        with vescale.dtensor.explicit_redistribute(False):
-            result = vescale.fx.trace(_block, x, params)
+        # explicit mode is on: the backward's all-reduce of the column-parallel input's
+        # Partial gradient is the adjoint of the forward layout, allowed without annotation
+        result = vescale.fx.trace(_block, x, params)
         elapsed = time.perf_counter() - t0
     assert elapsed < 30, elapsed
     assert result.backward is not None
@@ -59,3 +58,46 @@ def test_trace_tp_block_at_512_ranks():
     ]
     assert len(placed) >= 10
     assert set(result.timings_ms["forward"]) == {"annotate"}
+
+
+def test_trace_gpt_block_at_512_ranks():
+    """The demo's GPT (one block, SDPA, DDP over dp) on a (16, 32) mesh of 512 fake ranks."""
+    import gpt
+
+    from vescale.ddp import DistributedDataParallel
+
+    cfg = gpt.GPTConfig(vocab=64, seq=8, dim=64, heads=32, layers=1)
+    with fake_world(512):
+        mesh = vescale.init_device_mesh("cpu", (16, 32), mesh_dim_names=("dp", "tp"))
+        model = DistributedDataParallel(gpt.parallelize(gpt.build(cfg), mesh))
+        inputs = gpt.shard_batch(mesh, *gpt.batch(cfg, 0, batch_size=32))
+        t0 = time.perf_counter()
+        result = vescale.fx.trace(model, *inputs)
+        elapsed = time.perf_counter() - t0
+    assert elapsed < 30, elapsed
+    tp_ranks, dp_ranks = list(range(32)), list(range(0, 512, 32))
+    fw = [
+        (r["kind"], r["mesh_dim"], r["bytes"])
+        for r in result.collectives
+        if "forward" in r["graph"]
+    ]
+    # rank 0 holds 2 sequences of 8 tokens of width 64 (float32 = 4096 B): the two row-parallel
+    # all-reduces of the block, then the all-gather of the class-sharded logits (64 / 32 = 2)
+    assert fw == [
+        ("all_reduce", 1, 4096),
+        ("all_reduce", 1, 4096),
+        ("all_gather", 1, 2 * 8 * 2 * 4),
+    ]
+    bw = [r for r in result.collectives if "backward" in r["graph"]]
+    ddp = [r for r in bw if r["source"].startswith("distributed_data_parallel.py:")]
+    n_params = len(list(model.parameters()))
+    assert sum(r["mesh_dim"] == 0 for r in ddp) == n_params  # one gradient reduction each
+    assert all(r["group_ranks"] == (dp_ranks if r["mesh_dim"] == 0 else tp_ranks) for r in bw)
+    attention = [
+        n for n in result.forward.graph.nodes if "flash_attention_for_cpu" in str(n.target)
+    ]
+    assert len(attention) == 1
+    # 32 heads over 32 tp ranks, 2 sequences per dp rank: one head of (2, 8, 2) each, no gather
+    assert tuple(attention[0].args[0].meta["val"].shape) == (2, 1, 8, 2)
+    out = next(u for u in attention[0].users if u.args[1] == 0)  # getitem 0: the output
+    assert out.meta["custom"]["vescale_placements"] == ("S(0)", "S(1)")

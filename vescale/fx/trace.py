@@ -43,8 +43,8 @@ def trace(fn: Callable[..., Any], *args: Any, backward: bool = True, **kwargs: A
             for t in pytree.tree_leaves(out)
             if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
         ]
-        if backward and leaves:
-            torch.stack([t.sum() for t in leaves]).sum().backward()
+        if backward and leaves:  # d(sum of all outputs): ones for every output, any layout
+            torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
     finally:
         backend._sinks.remove(sink)
     graphs = {name.rsplit(".", 1)[1]: (gm, ctx) for name, gm, ctx in sink}
