@@ -1,8 +1,9 @@
-"""Compile time of the demo's tensor-parallel MLP step: vescale backend vs upstream Inductor.
+"""Compile time of the demo's GPT training step: vescale backend vs upstream Inductor.
 
     torchrun --standalone --nproc-per-node 4 benchmarks/compile_time.py
 
-Same DTensor model and inputs for every backend; a throwaway Inductor compile first pays the
+Same DTensor model (``examples/gpt.py`` on a (world/2, 2) dp x tp mesh, DDP-wrapped) and inputs
+for every backend; a throwaway Inductor compile first pays the
 one-time Inductor start-up so it is charged to no one. Each figure is the first call of a
 freshly reset ``torch.compile`` (forward compile + run, then backward compile + run), rank 0,
 median over ``--repeats``, with Inductor's FX-graph and AOT-autograd caches off.
@@ -21,14 +22,13 @@ import torch
 import torch._functorch.config
 import torch._inductor.config
 import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from train_demo import batch, init_params, mlp
+import gpt
 
 import vescale
-from vescale import Replicate, Shard
+from vescale.ddp import DistributedDataParallel
 
 BACKENDS = {
     "vescale (fx codegen)": ("vescale", {"codegen": "fx"}),
@@ -45,22 +45,21 @@ def main() -> None:
     torch._inductor.config.fx_graph_cache = False  # measure compiling, not cache hits
     torch._functorch.config.enable_autograd_cache = False
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    mesh = vescale.init_device_mesh("cpu", (dist.get_world_size(),))
-    layout = {"w1": [Shard(0)], "b1": [Shard(0)], "w2": [Shard(1)], "b2": [Replicate()]}
-    params = {
-        k: vescale.distribute_tensor(v, mesh, layout[k]).requires_grad_(True)
-        for k, v in init_params().items()
-    }
-    x, t = (vescale.distribute_tensor(a, mesh, [Replicate()]) for a in batch(0))
+    mesh = vescale.init_device_mesh(
+        "cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp")
+    )
+    cfg = gpt.GPTConfig()
+    model = DistributedDataParallel(gpt.parallelize(gpt.build(cfg), mesh))
+    inputs = gpt.shard_batch(mesh, *gpt.batch(cfg, 0))
     torch.compile(lambda a: a.sin() * 2)(torch.randn(8))  # Inductor start-up, charged to no one
     times: dict[str, list[float]] = {name: [] for name in BACKENDS}
     for _ in range(args.repeats):
         for name, (backend, options) in BACKENDS.items():
             torch._dynamo.reset()
-            step = torch.compile(mlp, backend=backend, options=options)
+            step = torch.compile(model, backend=backend, options=options)
             dist.barrier()
             t0 = time.perf_counter()
-            F.mse_loss(step(params, x), t).backward()
+            step(*inputs).backward()
             times[name].append(time.perf_counter() - t0)
     if dist.get_rank() == 0:
         base = statistics.median(times["upstream inductor"])

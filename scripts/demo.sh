@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Main job: install vescale (CPU torch 2.13.0) and run the tensor-parallel demo on 4 CPU ranks.
+# Main job: install vescale (CPU torch 2.13.0) and train the GPT demo (dp x tp, backend=vescale) on 4 CPU ranks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q torch==2.13.0 -e '.[test]'
