@@ -24,7 +24,7 @@ import itertools
 import json
 import os
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -43,13 +43,33 @@ from vescale.dtensor._torch_compat import (
 )
 from vescale.dtensor.dispatch import ImplicitRedistributionError, explicit_redistribute
 from vescale.fx.collectives import user_source
-from vescale.passes import PassContext, PassManager, annotate
+from vescale.fx.timeline import write_schedule_json
+from vescale.passes import (
+    PassContext,
+    PassManager,
+    RankDivergenceError,
+    annotate,
+    bucket,
+    check_rank_consistency,
+    eliminate,
+    fingerprint,
+    schedule,
+)
 
 __all__ = ["BackendOptions", "register", "vescale_backend"]
 
 BACKEND_NAME = "vescale"
-PIPELINE = PassManager([("annotate", annotate)])
+PIPELINE = PassManager(
+    [
+        ("annotate", annotate),
+        ("eliminate", eliminate),
+        ("bucket", bucket),
+        ("schedule", schedule),
+        ("fingerprint", fingerprint),
+    ]
+)
 _graph_ids = itertools.count()
+DEFAULT_BUCKET_CAP_MB = 25.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +81,11 @@ class BackendOptions:
     dump_dir: str | None = None
     explicit: bool | None = None
     strict: bool = False
+    eliminate: bool = True
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    overlap: bool = True
+    overlap_cap_mb: float = 256.0
+    rank_check: bool = True
 
     @classmethod
     def resolve(cls, options: dict[str, Any] | None) -> BackendOptions:
@@ -106,22 +131,48 @@ _sinks: list[list[tuple[str, torch.fx.GraphModule, PassContext]]] = []  # vescal
 def _graph_compiler(opts: BackendOptions, name: str) -> Any:
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         folder = _rank_dir(opts.dump_dir)
-        ctx = PassContext(name, folder)
+        ctx = PassContext(name, folder, options=asdict(opts))
         gm = PIPELINE.run(gm, ctx)
+        if folder is not None:
+            write_schedule_json(folder / name / "schedule.json", gm, name)
         _append_collectives(folder, ctx.reports.get("collectives", []))
         for sink in _sinks:
             sink.append((name, gm, ctx))
-        if opts.codegen == "inductor":
-            compile_fx_inner, _, _ = inductor_pieces()
-            try:
-                return compile_fx_inner(gm, example_inputs)
-            except Exception as err:
-                if opts.strict:
-                    raise
-                _warn(f"{name} runs as captured (FX), Inductor failed", err)
-        return make_boxed_func(gm.forward)
+        compiled = _codegen(gm, example_inputs, opts, name)
+        if not opts.rank_check:
+            return compiled
+        return _rank_checked(compiled, name, ctx.reports["fingerprint"])
 
     return compile_graph
+
+
+def _codegen(
+    gm: torch.fx.GraphModule, example_inputs: list[Any], opts: BackendOptions, name: str
+) -> Any:
+    """Inductor (falling back to the captured FX graph if it fails) or FX, boxed."""
+    if opts.codegen == "inductor":
+        compile_fx_inner, _, _ = inductor_pieces()
+        try:
+            return compile_fx_inner(gm, example_inputs)
+        except Exception as err:
+            if opts.strict:
+                raise
+            _warn(f"{name} runs as captured (FX), Inductor failed", err)
+    return make_boxed_func(gm.forward)
+
+
+def _rank_checked(compiled: Any, name: str, sequence: list[str]) -> Any:
+    """``compiled`` that compares its collective sequence across ranks at its first run."""
+    checked = [False]
+
+    def run(args: list[Any]) -> Any:
+        if not checked[0]:
+            check_rank_consistency(name, sequence)
+            checked[0] = True
+        return compiled(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
 
 
 def vescale_backend(
@@ -150,7 +201,7 @@ def vescale_backend(
     try:
         with recording(), explicit:
             return aot(gm, example_inputs)
-    except ImplicitRedistributionError:
+    except (ImplicitRedistributionError, RankDivergenceError):
         raise
     except Exception as err:
         if opts.strict:

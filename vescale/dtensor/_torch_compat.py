@@ -56,6 +56,7 @@ __all__ = [
     "_mesh_resources",
     "aot_autograd",
     "are_we_tracing",
+    "bucket_merge_fns",
     "compute_global_tensor_info",
     "compute_local_shape_and_global_offset",
     "expand_to_full_mesh_op_strategy",
@@ -74,6 +75,21 @@ __all__ = [
 ]
 
 from_functional_tensor = torch._from_functional_tensor
+
+
+def bucket_merge_fns() -> dict[str, Any]:
+    """Inductor's FX rewrites merging a bucket of collectives into one, by kind."""
+    from torch._inductor.fx_passes.bucketing import (
+        merge_all_gather_bucket,
+        merge_all_reduce_bucket,
+        merge_reduce_scatter_bucket,
+    )
+
+    return {
+        "all_reduce": merge_all_reduce_bucket,
+        "all_gather": merge_all_gather_bucket,
+        "reduce_scatter": merge_reduce_scatter_bucket,
+    }
 
 
 def inductor_pieces() -> tuple[Any, Any, Any]:

@@ -21,7 +21,9 @@ from vescale.dtensor.device_mesh import known_meshes
 __all__ = [
     "COLLECTIVE_KINDS",
     "CollectiveRecord",
+    "attach_records",
     "collective_table",
+    "group_name",
     "user_line_of_stack",
     "user_source",
 ]
@@ -73,7 +75,8 @@ def user_line_of_stack(stack_trace: str) -> str:
     return f"{path.rsplit('/', 1)[-1]}:{line}"
 
 
-def _group_name(node: torch.fx.Node) -> str:
+def group_name(node: torch.fx.Node) -> str:
+    """The process group name a collective node runs on."""
     for a in list(node.args) + list(node.kwargs.values()):
         if isinstance(a, str) and a not in ("sum", "avg", "max", "min", "product"):
             return a
@@ -107,7 +110,7 @@ def collective_table(gm: torch.fx.GraphModule, graph: str) -> list[CollectiveRec
         kind = COLLECTIVE_KINDS.get(node.target) if node.op == "call_function" else None
         if kind is None:
             continue
-        name = _group_name(node)
+        name = group_name(node)
         dtype, nbytes = _nbytes(node)
         custom = node.meta.get("custom") or {}
         out.append(
@@ -118,8 +121,18 @@ def collective_table(gm: torch.fx.GraphModule, graph: str) -> list[CollectiveRec
                 dtype=dtype,
                 bytes=nbytes,
                 bucket=custom.get("vescale_bucket"),
-                source=user_source(node),
+                source=", ".join(custom.get("vescale_sources") or [user_source(node)]),
                 graph=graph,
             )
         )
     return out
+
+
+def attach_records(gm: torch.fx.GraphModule, graph: str) -> list[CollectiveRecord]:
+    """``collective_table(gm, graph)``, each record also stored on its node
+    (``custom["vescale_collective"]``, read by the graph dumps)."""
+    table = collective_table(gm, graph)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_KINDS]
+    for node, record in zip(nodes, table):
+        node.meta.setdefault("custom", {})["vescale_collective"] = dict(record)
+    return table

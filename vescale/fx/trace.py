@@ -17,26 +17,36 @@ __all__ = ["TraceResult", "trace"]
 @dataclass
 class TraceResult:
     """Forward and backward graphs (local aten ops + functional collectives, placements in
-    ``node.meta["custom"]``), their collective tables and per-pass timings."""
+    ``node.meta["custom"]``), their collective tables, per-pass timings and pass reports."""
 
     forward: torch.fx.GraphModule
     backward: torch.fx.GraphModule | None
     collectives: list[CollectiveRecord] = field(default_factory=list)
     timings_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    reports: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
-def trace(fn: Callable[..., Any], *args: Any, backward: bool = True, **kwargs: Any) -> TraceResult:
+def trace(
+    fn: Callable[..., Any],
+    *args: Any,
+    backward: bool = True,
+    options: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> TraceResult:
     """Capture ``fn(*args, **kwargs)`` with the vescale pipeline (FX codegen) and run it once;
     with ``backward`` and a differentiable output, also the backward of the sum of its
     floating-point outputs. Works on the ``fake`` process group (no data moves), so large
-    world sizes can be traced on one machine. ``fn`` must compile into one graph."""
+    world sizes can be traced on one machine. ``fn`` must compile into one graph.
+    ``options`` are backend options (e.g. ``bucket_cap_mb``, ``overlap``); the graphs are
+    returned after all passes."""
     from vescale import backend
 
     sink: list[tuple[str, torch.fx.GraphModule, Any]] = []
     backend._sinks.append(sink)
     try:
         torch._dynamo.reset()
-        compiled = torch.compile(fn, backend="vescale", options={"codegen": "fx", "strict": True})
+        opts = {"codegen": "fx", "strict": True, **(options or {})}
+        compiled = torch.compile(fn, backend="vescale", options=opts)
         out = compiled(*args, **kwargs)
         leaves = [
             t
@@ -57,7 +67,9 @@ def trace(fn: Callable[..., Any], *args: Any, backward: bool = True, **kwargs: A
     bw, bw_ctx = graphs.get("backward", (None, None))
     records = list(fw_ctx.reports.get("collectives", []))
     timings = {"forward": fw_ctx.timings_ms}
+    reports = {"forward": fw_ctx.reports}
     if bw_ctx is not None:
         records += bw_ctx.reports.get("collectives", [])
         timings["backward"] = bw_ctx.timings_ms
-    return TraceResult(fw, bw, records, timings)
+        reports["backward"] = bw_ctx.reports
+    return TraceResult(fw, bw, records, timings, reports)

@@ -1,6 +1,20 @@
 """Graph passes, one per module, each ``GraphModule -> GraphModule``."""
 
 from vescale.passes.annotate import annotate
+from vescale.passes.bucket import bucket
+from vescale.passes.eliminate import eliminate
+from vescale.passes.fingerprint import RankDivergenceError, check_rank_consistency, fingerprint
 from vescale.passes.manager import PassContext, PassManager
+from vescale.passes.schedule import schedule
 
-__all__ = ["PassContext", "PassManager", "annotate"]
+__all__ = [
+    "PassContext",
+    "PassManager",
+    "RankDivergenceError",
+    "annotate",
+    "bucket",
+    "check_rank_consistency",
+    "eliminate",
+    "fingerprint",
+    "schedule",
+]

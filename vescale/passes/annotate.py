@@ -3,9 +3,9 @@
 * Nodes that decompositions created inside one DTensor op (e.g. gelu's ``erf``/``mul``) carry
   no placements from tracing; they get the placements of the op output they feed
   (``vescale_placements``) and its name (``vescale_placements_from``), when all their users agree.
-* Each collective gets ``node.meta["custom"]["vescale_collective"]`` (its ``collectives.json``
-  record); the table is reported as ``ctx.reports["collectives"]``.
-* Verification: every collective's result is consumed by a ``wait_tensor`` before any other use.
+* Verification: every collective's result is consumed by a ``wait_tensor`` (placed after the
+  collective) before any other use. Collective records (``collectives.json``) are attached by
+  the pass manager after every pass.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from vescale.fx.collectives import COLLECTIVE_KINDS, collective_table
+from vescale.fx.collectives import COLLECTIVE_KINDS
 from vescale.passes.manager import PassContext
 
 __all__ = ["annotate"]
@@ -67,17 +67,25 @@ def _inherit_placements(gm: torch.fx.GraphModule) -> int:
 
 
 def annotate(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    """Annotate placements and collectives, and verify (see module docstring)."""
+    """Annotate placements and verify (see module docstring)."""
     ctx.reports["inherited_placements"] = _inherit_placements(gm)
-    table = collective_table(gm, ctx.graph_name)
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_KINDS]
-    for node, record in zip(nodes, table):
-        node.meta.setdefault("custom", {})["vescale_collective"] = dict(record)
+    verify_waits(gm, ctx.graph_name)
+    return gm
+
+
+def verify_waits(gm: torch.fx.GraphModule, graph_name: str) -> None:
+    """Every collective's result reaches its users only through a ``wait_tensor`` that comes
+    after the collective (``RuntimeError`` naming the node otherwise)."""
+    seen: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:
+        seen.add(node)
+        if node.op != "call_function" or node.target not in COLLECTIVE_KINDS:
+            if node.target is _WAIT and node.args[0] not in seen:
+                raise RuntimeError(f"{graph_name}: %{node.name} waits before its collective")
+            continue
         direct = [u for u in node.users if u.target not in (_WAIT, operator.getitem)]
         if direct:
             raise RuntimeError(
-                f"{ctx.graph_name}: {node.target} result %{node.name} is used by "
+                f"{graph_name}: {node.target} result %{node.name} is used by "
                 f"{[u.name for u in direct]} without a wait_tensor"
             )
-    ctx.reports["collectives"] = table
-    return gm

@@ -1,0 +1,103 @@
+"""``bucket``: merge collectives of the same kind, process group, reduce op and dtype into one.
+
+Selection is ours, deterministic from graph order alone (so every rank, holding the same
+graph, makes the same buckets and issues them in the same order):
+
+* candidates are all-reduce, all-gather and reduce-scatter nodes whose only user is their
+  ``wait_tensor``;
+* walking the graph in order, a candidate joins the open bucket of its key while the
+  bucket stays under ``bucket_cap_mb`` (largest of input/output bytes, as upstream) and the
+  candidate comes before the first use of every member's result; the merged collective is
+  issued where the last member was, so no member's result is needed earlier (this also
+  excludes a member depending on another);
+* a bucket closes when a candidate does not fit; one-member buckets stay as they are.
+
+The rewrite (flatten, concatenate, one collective, split, restore shapes) is upstream
+Inductor's ``merge_{all_reduce,all_gather,reduce_scatter}_bucket``. Each merged collective
+gets ``custom["vescale_bucket"]`` (its id in this graph) and ``custom["vescale_sources"]``
+(the user lines of its members); ``ctx.reports["buckets"]`` lists member counts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vescale.dtensor._torch_compat import bucket_merge_fns
+from vescale.fx.collectives import COLLECTIVE_KINDS, group_name, user_source
+from vescale.passes.manager import PassContext
+
+__all__ = ["bucket"]
+
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+_c10d = torch.ops._c10d_functional
+_BUCKETABLE: dict[Any, str] = {
+    _c10d.all_reduce.default: "all_reduce",
+    _c10d.all_gather_into_tensor.default: "all_gather",
+    _c10d.reduce_scatter_tensor.default: "reduce_scatter",
+}
+
+
+@dataclass
+class _Bucket:
+    members: list[torch.fx.Node] = field(default_factory=list)
+    nbytes: int = 0
+    first_use: float = math.inf
+
+
+def _key(node: torch.fx.Node) -> tuple[Any, ...]:
+    val = node.meta["val"]
+    reduce_op = node.args[1] if _BUCKETABLE[node.target] != "all_gather" else None
+    return (_BUCKETABLE[node.target], group_name(node), reduce_op, val.dtype)
+
+
+def _size(node: torch.fx.Node) -> int:
+    out, inp = node.meta["val"], node.all_input_nodes[0].meta["val"]
+    return max(out.numel() * out.element_size(), inp.numel() * inp.element_size())
+
+
+def select_buckets(gm: torch.fx.GraphModule, cap_bytes: int) -> list[list[torch.fx.Node]]:
+    """Buckets of two or more collectives (see module docstring), in graph order."""
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    open_buckets: dict[tuple[Any, ...], _Bucket] = {}
+    done: list[list[torch.fx.Node]] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _BUCKETABLE:
+            continue
+        users = list(node.users)
+        if len(users) != 1 or users[0].target is not _WAIT or "val" not in node.meta:
+            continue
+        key, size = _key(node), _size(node)
+        first_use = min((pos[u] for u in users[0].users), default=math.inf)
+        b = open_buckets.get(key)
+        if b is None or pos[node] > b.first_use or b.nbytes + size > cap_bytes:
+            if b is not None and len(b.members) > 1:
+                done.append(b.members)
+            b = open_buckets[key] = _Bucket()
+        b.members.append(node)
+        b.nbytes += size
+        b.first_use = min(b.first_use, first_use)
+    done += [b.members for b in open_buckets.values() if len(b.members) > 1]
+    return sorted(done, key=lambda members: pos[members[-1]])
+
+
+def bucket(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    """Merge collectives into buckets of at most ``ctx.options["bucket_cap_mb"]`` MiB."""
+    cap_mb = float(ctx.options.get("bucket_cap_mb", 0))
+    buckets = select_buckets(gm, int(cap_mb * 2**20)) if cap_mb > 0 else []
+    merge = bucket_merge_fns()
+    ids = itertools.count()
+    for members in buckets:
+        sources = sorted({s for m in members if (s := user_source(m))})
+        new_nodes, _ = merge[_BUCKETABLE[members[0].target]](gm.graph, members)
+        merged = next(n for n in new_nodes if n.target in COLLECTIVE_KINDS)
+        merged.meta.setdefault("custom", {}).update(
+            vescale_bucket=next(ids), vescale_sources=sources
+        )
+    gm.graph.lint()
+    ctx.reports["buckets"] = [len(m) for m in buckets]
+    return gm

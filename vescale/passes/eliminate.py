@@ -1,0 +1,82 @@
+"""``eliminate``: drop collectives whose work is discarded or undone.
+
+* A collective whose waited result nobody uses is removed.
+* An all-gather whose result is only sliced back to this rank's own chunk (dim 0, the
+  gathered dim: ``slice``/``narrow`` or ``split`` + ``getitem``) is the identity on that
+  chunk: the slice is replaced by the all-gather's input (a redistribute ``S -> R -> S``).
+
+Both rewrites are exact; ``ctx.reports["eliminated"]`` counts removed collectives.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vescale.dtensor._torch_compat import resolve_process_group
+from vescale.fx.collectives import COLLECTIVE_KINDS, group_name
+from vescale.passes.manager import PassContext
+
+__all__ = ["eliminate"]
+
+aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
+_WAIT = _c10d.wait_tensor.default
+
+
+def _rank_in_group(node: torch.fx.Node) -> int | None:
+    if not dist.is_initialized():
+        return None
+    ranks = dist.get_process_group_ranks(resolve_process_group(group_name(node)))  # type: ignore[arg-type]
+    return ranks.index(dist.get_rank()) if dist.get_rank() in ranks else None
+
+
+def _own_chunk(user: torch.fx.Node, rank: int, rows: int) -> torch.fx.Node | None:
+    """``user`` (of the waited all-gather) if it selects rows [rank*rows, (rank+1)*rows)."""
+    if user.target is aten.slice.Tensor:
+        _, dim, start, end, step = list(user.args) + [None] * (5 - len(user.args))
+        if (
+            (dim or 0) == 0
+            and (step or 1) == 1
+            and (start, end) == (rank * rows, (rank + 1) * rows)
+        ):
+            return user
+    if user.target is aten.split.Tensor and user.args[1] == rows and user.args[2:] in ((), (0,)):
+        items = list(user.users)
+        if len(items) == 1 and items[0].target is operator.getitem and items[0].args[1] == rank:
+            return items[0]
+    return None
+
+
+def eliminate(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    """Remove discarded and undone collectives (no-op unless ``ctx.options["eliminate"]``)."""
+    if not ctx.options.get("eliminate", False):
+        return gm
+    for node in list(gm.graph.nodes):
+        if node.target is not _c10d.all_gather_into_tensor.default or len(node.users) != 1:
+            continue
+        (wait,) = node.users
+        inp: Any = node.args[0]
+        rank = _rank_in_group(node)
+        rows = inp.meta["val"].shape[0] if "val" in inp.meta else None
+        for user in list(wait.users):
+            chunk = _own_chunk(user, rank, rows) if rank is not None and rows else None
+            val = chunk.meta.get("val") if chunk is not None else None
+            if chunk is not None and val is not None and val.shape == inp.meta["val"].shape:
+                chunk.replace_all_uses_with(inp)
+    gm.graph.eliminate_dead_code()  # the slices now unused; waits and collectives stay (impure)
+    removed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in COLLECTIVE_KINDS:
+            continue
+        for w in [u for u in node.users if u.target is _WAIT and not u.users]:
+            gm.graph.erase_node(w)
+        if not node.users:
+            gm.graph.erase_node(node)
+            removed += 1
+    gm.graph.eliminate_dead_code()
+    ctx.reports["eliminated"] = removed
+    return gm
