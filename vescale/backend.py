@@ -2,15 +2,19 @@
 
 Pipeline per captured program: Dynamo graph -> AOTAutograd (forward and backward graphs of
 local aten ops and functional collectives, placements decided by the same eager strategies)
--> vescale passes (``annotate``/verify so far) -> codegen (Inductor, or the FX graphs as
-they are). Options (``torch.compile(..., options={...})`` or env vars):
+-> vescale passes (``annotate``/verify, ``eliminate``, ``bucket``, ``schedule``,
+``fingerprint``) -> codegen (Inductor, or the FX graphs as they are). Options (``torch.compile(..., options={...})`` or env vars):
 
 * ``codegen``: ``"inductor"`` (default) or ``"fx"``.
 * ``eager`` / ``VESCALE_COMPILE_EAGER=1``: run the captured program through eager DTensor.
 * ``dump_dir`` / ``VESCALE_DUMP_DIR``: per rank, ``graph.<pass>.txt`` for every graph and
-  pass, and ``collectives.json``.
+  pass, ``schedule.json`` per graph, and ``collectives.json``.
 * ``explicit``: forbid (``True``) or allow (``False``) implicit redistribution while this
   backend traces, overriding ``VESCALE_DISABLE_REDISTRIBUTE`` (default: the env var / scope).
+* ``eliminate`` (default on), ``bucket_cap_mb`` (default 25; 0 turns bucketing off),
+  ``overlap`` (default on) and ``overlap_cap_mb`` (default 256): the communication passes.
+* ``rank_check`` (default on): compare each graph's collective sequence across ranks at its
+  first run and raise instead of hanging when they differ.
 * ``strict``: raise instead of falling back on an unsupported construct. Without it, a
   capture failure (e.g. an op with no sharding strategy for its placements) runs that graph
   eagerly and a graph Inductor cannot compile runs as captured (FX), each with one warning

@@ -83,22 +83,31 @@ def test_compiled_gradients_in_parameter_placements(pool4):
     pool4.run(_check_gradients, True)
 
 
-def _check_backward_collectives():
+def _dp_backward_collectives(options):
     mesh = mesh_of((2, 2))
     x, t = (vescale.distribute_tensor(a, mesh, [Shard(0), Replicate()]) for a in _inputs())
-    result = vescale.fx.trace(_distributed(mesh), x, t)
+    result = vescale.fx.trace(_distributed(mesh), x, t, options=options)
     dp = [r for r in result.collectives if r["mesh_dim"] == 0 and r["graph"].endswith("backward")]
+    return sorted((r["kind"], r["bytes"], r["bucket"]) for r in dp)
+
+
+def _check_backward_collectives():
     # one all-reduce per parameter replicated over dp, of its local gradient: fc2.bias (6,),
     # fc1.bias (8,), fc2.weight (6, 8), fc1.weight (8, 8) float32; the dp-sharded scale: one
     # reduce-scatter of its (6,) Partial gradient (the backward of its forward all-gather)
-    got = sorted((r["kind"], r["bytes"]) for r in dp)
-    assert got == [
-        ("all_reduce", 24),
-        ("all_reduce", 32),
-        ("all_reduce", 192),
-        ("all_reduce", 256),
-        ("reduce_scatter", 24),
-    ], dp
+    passes_off = {"eliminate": False, "bucket_cap_mb": 0, "overlap": False}
+    assert _dp_backward_collectives(passes_off) == [
+        ("all_reduce", 24, None),
+        ("all_reduce", 32, None),
+        ("all_reduce", 192, None),
+        ("all_reduce", 256, None),
+        ("reduce_scatter", 24, None),
+    ]
+    # with the passes (default): the four all-reduces go out as one bucket
+    assert _dp_backward_collectives({}) == [
+        ("all_reduce", 24 + 32 + 192 + 256, 0),
+        ("reduce_scatter", 24, None),
+    ]
 
 
 def test_compiled_backward_reduces_each_data_parallel_gradient_once(pool4):
