@@ -8,8 +8,8 @@ each) on a (world/2, 2) mesh, wrapped in ``vescale.ddp.DistributedDataParallel``
 gradient is reduced to its parameter's placements; a step is forward, backward and an SGD
 step. Step time is the median over ``--steps`` after two warm-up steps (rank 0); compile
 time is the first step minus that median. Collectives and bytes per step are counted with
-the profiler (every ``_c10d_functional`` collective, wherever it is issued; bytes of this
-rank's inputs).
+the profiler (every ``_c10d_functional`` collective, wherever it is issued, Inductor's
+in-place variants included; bytes of this rank's inputs).
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ from vescale.ddp import DistributedDataParallel
 
 CFG = gpt.GPTConfig(vocab=128, seq=32, dim=64, heads=4, layers=4)
 PASSES_OFF = {"eliminate": False, "bucket_cap_mb": 0, "overlap": False}
-_COLLECTIVES = {
-    "_c10d_functional::all_reduce",
-    "_c10d_functional::all_gather_into_tensor",
-    "_c10d_functional::reduce_scatter_tensor",
-}
+_NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")
+
+
+def _is_collective(name: str) -> bool:
+    """A ``_c10d_functional`` collective, functional or Inductor's in-place/out variants."""
+    return name.startswith("_c10d_functional::") and not name.endswith(_NOT_COLLECTIVES)
 
 
 def _count(step: Callable[[], None]) -> tuple[int, int]:
@@ -49,8 +50,8 @@ def _count(step: Callable[[], None]) -> tuple[int, int]:
     for e in prof.events():
         parent, nested = e.cpu_parent, False
         while parent is not None and not nested:
-            nested, parent = parent.name in _COLLECTIVES, parent.cpu_parent
-        if e.name in _COLLECTIVES and not nested:
+            nested, parent = _is_collective(parent.name), parent.cpu_parent
+        if _is_collective(e.name) and not nested:
             n += 1
             shape = e.input_shapes[0] if e.input_shapes else []
             nbytes += 4 * int(torch.Size(shape).numel())  # float32 model

@@ -10,6 +10,7 @@ from torch import nn
 
 import vescale
 from tests.dtensor.reference import mesh_of
+from tests.harness.collectives import count_collectives
 from vescale import Replicate, Shard
 from vescale.ddp import DistributedDataParallel
 
@@ -44,13 +45,13 @@ def _inputs():
     return torch.randn(8, 8, generator=g), torch.randn(8, 6, generator=g)
 
 
-def _distributed(mesh):
+def _distributed(mesh, bucket_cap_mb=25.0):
     net = Net()
     for name, p in list(net.named_parameters()):
         owner, _, leaf = name.rpartition(".")
         dt = vescale.distribute_tensor(p.detach(), mesh, LAYOUT[name])
         net.get_submodule(owner).register_parameter(leaf, nn.Parameter(dt))
-    return DistributedDataParallel(net)
+    return DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb)
 
 
 def _check_gradients(compiled):
@@ -112,3 +113,28 @@ def _check_backward_collectives():
 
 def test_compiled_backward_reduces_each_data_parallel_gradient_once(pool4):
     pool4.run(_check_backward_collectives)
+
+
+def _check_eager_buckets(cap_mb):
+    mesh = mesh_of((2, 2))
+    x, t = _inputs()
+    ref = Net()
+    ref(x, t).backward()
+    ddp = _distributed(mesh, cap_mb)
+    loss = ddp(*[vescale.distribute_tensor(a, mesh, [Shard(0), Replicate()]) for a in (x, t)])
+    with count_collectives() as counts:
+        loss.backward()
+    expected = dict(ref.named_parameters())
+    for name, p in ddp.module.named_parameters():
+        assert tuple(p.grad.placements) == tuple(p.placements), name
+        torch.testing.assert_close(p.grad.full_tensor(), expected[name].grad, atol=1e-6, rtol=1e-5)
+    return dict(counts)
+
+
+def test_eager_gradients_are_bucketed(pool4):
+    # the four dp-replicated gradients: one all-reduce per gradient without bucketing, one in
+    # all with a 25 MB cap; the dp-sharded scale's reduce-scatter is its forward gather's adjoint
+    for counts in pool4.run(_check_eager_buckets, 0.0):
+        assert counts == {"all_reduce": 4, "reduce_scatter": 1}, counts
+    for counts in pool4.run(_check_eager_buckets, 25.0):
+        assert counts == {"all_reduce": 1, "reduce_scatter": 1}, counts

@@ -1,13 +1,17 @@
 """``DistributedDataParallel``: every DTensor parameter's gradient in the parameter's placements.
 
 A parameter replicated over the data-parallel mesh dim gets a ``Partial`` gradient from
-backward (each dp rank saw its own part of the batch). The wrapper routes every DTensor
-parameter through an identity redistribution (``p`` -> ``p.placements``) in the forward;
-its backward brings the gradient to the parameter's placements: ``Partial -> Replicate`` is an
-all-reduce, ``Partial -> Shard`` (ZeRO-style sharded parameters) a reduce-scatter. The
-reduction is part of the autograd graph, so eager runs it as soon as the gradient exists
-(async, overlapping the rest of backward) and ``torch.compile`` traces it into the backward
-graph, where the compiler's passes bucket and schedule it.
+backward (each dp rank saw its own part of the batch); the wrapper reduces it to the
+parameter's placements (``Partial -> Replicate``: all-reduce; gradients already in the
+parameter's placements, e.g. ZeRO-style sharded parameters gathered in the forward, are left
+as they are).
+
+* Eagerly: :class:`vescale.ddp.reducer.Reducer` hooks, bucketed (``bucket_cap_mb``) and issued
+  asynchronously as gradients become ready, waited at the end of backward, like torch DDP.
+* Under ``torch.compile``: every DTensor parameter goes through an identity redistribution
+  (``p -> p.placements``) in the forward, whose backward reduces its gradient; so the
+  reductions are inside the traced backward graph, where the compiler's passes bucket and
+  schedule them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
+from vescale.ddp.reducer import Reducer
 from vescale.dtensor.api import redistribute_dtensor
 
 __all__ = ["DistributedDataParallel"]
@@ -30,7 +35,7 @@ class DistributedDataParallel(nn.Module):
     parameters are this wrapper's parameters (``ddp.parameters()`` feeds the optimizer).
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0) -> None:
         super().__init__()
         self.module = module
         self._synced = [
@@ -38,8 +43,11 @@ class DistributedDataParallel(nn.Module):
             for name, p in module.named_parameters()
             if isinstance(p, _UpstreamDTensor) and p.requires_grad
         ]
+        self._reducer = Reducer([module.get_parameter(n) for n in self._synced], bucket_cap_mb)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            return self.module(*args, **kwargs)  # the reducer's hooks reduce the gradients
         synced = {name: grad_sync(self.module.get_parameter(name)) for name in self._synced}
         return torch.func.functional_call(self.module, synced, args, kwargs, strict=False)
 
