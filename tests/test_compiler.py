@@ -223,7 +223,9 @@ def _check_gpt_collectives(dump_root):
     mesh = vescale.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     cfg = gpt.GPTConfig()
     inputs = gpt.shard_batch(mesh, *gpt.batch(cfg, 0))
-    eager = DistributedDataParallel(gpt.parallelize(gpt.build(cfg), mesh))
+    # unbucketed on both sides: eager DDP issues one reduction per gradient, like the
+    # captured program before the passes
+    eager = DistributedDataParallel(gpt.parallelize(gpt.build(cfg), mesh), bucket_cap_mb=0)
     with count_collectives() as eager_counts:  # CommDebugMode misses in-dispatch collectives
         eager(*inputs).backward()
     model = DistributedDataParallel(gpt.parallelize(gpt.build(cfg), mesh))
