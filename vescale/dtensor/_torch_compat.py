@@ -71,6 +71,7 @@ __all__ = [
     "register_op_strategy",
     "register_opaque_type",
     "resolve_process_group",
+    "stable_topological_sort",
     "upstream_redistribute_local_tensor",
 ]
 
@@ -90,6 +91,13 @@ def bucket_merge_fns() -> dict[str, Any]:
         "all_gather": merge_all_gather_bucket,
         "reduce_scatter": merge_reduce_scatter_bucket,
     }
+
+
+def stable_topological_sort(graph: torch.fx.Graph) -> None:
+    """Inductor's in-place topological sort that keeps the existing order where it can."""
+    from torch._inductor.pattern_matcher import stable_topological_sort as sort
+
+    sort(graph)
 
 
 def inductor_pieces() -> tuple[Any, Any, Any]:

@@ -6,10 +6,12 @@ graph, makes the same buckets and issues them in the same order):
 * candidates are all-reduce, all-gather and reduce-scatter nodes whose only user is their
   ``wait_tensor``;
 * walking the graph in order, a candidate joins the open bucket of its key while the
-  bucket stays under ``bucket_cap_mb`` (largest of input/output bytes, as upstream) and the
-  candidate comes before the first use of every member's result; the merged collective is
-  issued where the last member was, so no member's result is needed earlier (this also
-  excludes a member depending on another);
+  bucket stays under ``bucket_cap_mb`` (largest of input/output bytes, as upstream), it does
+  not depend on a member, and it comes before every non-collective use of a member's result;
+  the merged collective is issued where the last member was. A collective consuming a
+  member's result (e.g. the tensor-parallel all-reduce after the data-parallel one of a
+  ``(Partial, Partial)`` gradient) moves after the bucket (stable topological sort), where it
+  can bucket with its own kind;
 * a bucket closes when a candidate does not fit; one-member buckets stay as they are.
 
 The rewrite (flatten, concatenate, one collective, split, restore shapes) is upstream
@@ -27,7 +29,7 @@ from typing import Any
 
 import torch
 
-from vescale.dtensor._torch_compat import bucket_merge_fns
+from vescale.dtensor._torch_compat import bucket_merge_fns, stable_topological_sort
 from vescale.fx.collectives import COLLECTIVE_KINDS, group_name, user_source
 from vescale.passes.manager import PassContext
 
@@ -47,6 +49,7 @@ class _Bucket:
     members: list[torch.fx.Node] = field(default_factory=list)
     nbytes: int = 0
     first_use: float = math.inf
+    descendants: set[torch.fx.Node] = field(default_factory=set)
 
 
 def _key(node: torch.fx.Node) -> tuple[Any, ...]:
@@ -58,6 +61,15 @@ def _key(node: torch.fx.Node) -> tuple[Any, ...]:
 def _size(node: torch.fx.Node) -> int:
     out, inp = node.meta["val"], node.all_input_nodes[0].meta["val"]
     return max(out.numel() * out.element_size(), inp.numel() * inp.element_size())
+
+
+def _descendants(node: torch.fx.Node, into: set[torch.fx.Node]) -> None:
+    stack = [node]
+    while stack:
+        for user in stack.pop().users:
+            if user not in into:
+                into.add(user)
+                stack.append(user)
 
 
 def select_buckets(gm: torch.fx.GraphModule, cap_bytes: int) -> list[list[torch.fx.Node]]:
@@ -72,15 +84,24 @@ def select_buckets(gm: torch.fx.GraphModule, cap_bytes: int) -> list[list[torch.
         if len(users) != 1 or users[0].target is not _WAIT or "val" not in node.meta:
             continue
         key, size = _key(node), _size(node)
-        first_use = min((pos[u] for u in users[0].users), default=math.inf)
+        # a collective consuming the result can move after the bucket; anything else cannot
+        first_use = min(
+            (pos[u] for u in users[0].users if u.target not in _BUCKETABLE), default=math.inf
+        )
         b = open_buckets.get(key)
-        if b is None or pos[node] > b.first_use or b.nbytes + size > cap_bytes:
+        if (
+            b is None
+            or pos[node] > b.first_use
+            or node in b.descendants
+            or b.nbytes + size > cap_bytes
+        ):
             if b is not None and len(b.members) > 1:
                 done.append(b.members)
             b = open_buckets[key] = _Bucket()
         b.members.append(node)
         b.nbytes += size
         b.first_use = min(b.first_use, first_use)
+        _descendants(node, b.descendants)
     done += [b.members for b in open_buckets.values() if len(b.members) > 1]
     return sorted(done, key=lambda members: pos[members[-1]])
 
@@ -98,6 +119,7 @@ def bucket(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         merged.meta.setdefault("custom", {}).update(
             vescale_bucket=next(ids), vescale_sources=sources
         )
+        stable_topological_sort(gm.graph)  # collectives fed by a bucket move after it
     gm.graph.lint()
     ctx.reports["buckets"] = [len(m) for m in buckets]
     return gm
