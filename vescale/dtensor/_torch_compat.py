@@ -11,7 +11,6 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import _COMPILER_FNS as DYNAMO_COMPILER_FNS
 from torch._dynamo.backends.registry import register_backend
 from torch._functorch.aot_autograd import make_boxed_func
-from torch._guards import TracingContext
 from torch._library.opaque_object import MemberType, register_opaque_type
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -52,7 +51,6 @@ __all__ = [
     "OpStrategy",
     "OutputSharding",
     "TensorMeta",
-    "TracingContext",
     "_mesh_resources",
     "aot_autograd",
     "are_we_tracing",

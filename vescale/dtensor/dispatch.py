@@ -39,7 +39,6 @@ from vescale.dtensor._torch_compat import (
     OpSchema,
     OutputSharding,
     TensorMeta,
-    TracingContext,
     compute_global_tensor_info,
     get_proxy_mode,
     redistribute_cost,
@@ -369,13 +368,12 @@ class ImplicitRedistributionError(RuntimeError):
 
 
 def _traced_user_line() -> str:
-    """`` at file.py:line`` of the user code being traced by torch.compile, if any."""
+    """`` at file.py:line`` of the user code whose graph node AOTAutograd is tracing, if any
+    (the check is deferred past Dynamo's own pass, see ``_dynamo_propagating``)."""
     from vescale.fx.collectives import user_line_of_stack
 
     meta = torch.fx.traceback.get_current_meta() or {}
     line = user_line_of_stack(meta.get("stack_trace") or "")
-    if not line and torch.compiler.is_compiling():  # Dynamo running the user frame
-        line = user_line_of_stack("".join(TracingContext.extract_stack().format()))
     return f" at {line}" if line else ""
 
 
