@@ -1,5 +1,5 @@
 """Op behaviour vescale adds to upstream's registry, one module per op family."""
 
-from vescale.dtensor.ops import attention, comparison, data_dependent, loss
+from vescale.dtensor.ops import arg_reduction, attention, comparison, data_dependent, loss
 
-__all__ = ["attention", "comparison", "data_dependent", "loss"]
+__all__ = ["arg_reduction", "attention", "comparison", "data_dependent", "loss"]

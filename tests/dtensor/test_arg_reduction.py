@@ -1,0 +1,40 @@
+"""argmax/argmin on every Shard/Replicate layout, uneven shards with empty local shards
+included: equal to single-device torch (first occurrence on ties), no communication over an
+unsharded dim, and only candidate-sized gathers over a sharded one."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import vescale
+from tests.dtensor.reference import mesh_of
+from tests.harness.collectives import count_collectives
+from vescale import Replicate, Shard
+
+LAYOUTS = [((4,), [p]) for p in (Replicate(), Shard(0), Shard(1))] + [
+    ((2, 2), list(pl)) for pl in itertools.product([Replicate(), Shard(0), Shard(1)], repeat=2)
+]
+
+
+def _check(shape):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 4, shape, generator=g).double()  # many ties: first occurrence matters
+    for (mesh_shape, placements), op, dim, keepdim in itertools.product(
+        LAYOUTS, ("argmax", "argmin"), (0, 1, -1), (False, True)
+    ):
+        d = vescale.distribute_tensor(x, mesh_of(mesh_shape), placements)
+        with count_collectives() as counts:
+            out = getattr(d, op)(dim, keepdim=keepdim)
+        expected = getattr(x, op)(dim, keepdim=keepdim)
+        case = (mesh_shape, placements, op, dim, keepdim)
+        assert torch.equal(out.full_tensor(), expected), case
+        sharded = sum(p.is_shard(dim % 2) for p in placements)
+        assert sum(counts.values()) == 2 * sharded, (case, counts)  # values + indices per mesh dim
+
+
+@pytest.mark.parametrize("shape", [(8, 12), (5, 7), (3, 2)])  # even; uneven; empty shards
+def test_arg_extremum_on_every_layout(pool4, shape):
+    pool4.run(_check, shape)
