@@ -38,3 +38,30 @@ def _check(shape):
 @pytest.mark.parametrize("shape", [(8, 12), (5, 7), (3, 2)])  # even; uneven; empty shards
 def test_arg_extremum_on_every_layout(pool4, shape):
     pool4.run(_check, shape)
+
+
+def _check_topk(shape, k):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64)  # no ties
+    for (mesh_shape, placements), dim, largest in itertools.product(LAYOUTS, (0, 1), (True, False)):
+        d = vescale.distribute_tensor(x, mesh_of(mesh_shape), placements).requires_grad_(True)
+        with count_collectives() as counts:
+            values, indices = d.topk(k, dim, largest=largest)
+        ref = x.clone().requires_grad_(True)
+        ref_values, ref_indices = ref.topk(k, dim, largest=largest)
+        case = (mesh_shape, placements, dim, largest)
+        assert torch.equal(values.full_tensor(), ref_values.detach()), case
+        assert torch.equal(indices.full_tensor(), ref_indices), case
+        sharded = sum(p.is_shard(dim) for p in placements)
+        assert sum(counts.values()) == 2 * sharded, (case, counts)  # k candidates, not the dim
+        weights = torch.arange(1.0, ref_values.numel() + 1, dtype=torch.float64).view_as(ref_values)
+        (ref_values * weights).sum().backward()
+        dw = vescale.distribute_tensor(weights, d.device_mesh, values.placements)
+        with vescale.dtensor.explicit_redistribute(False):
+            (values * dw).sum().backward()
+        torch.testing.assert_close(d.grad.full_tensor(), ref.grad)
+
+
+@pytest.mark.parametrize("shape", [(8, 12), (5, 7), (3, 2)])
+def test_topk_on_every_layout(pool4, shape):
+    pool4.run(_check_topk, shape, 2)
