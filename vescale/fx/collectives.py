@@ -20,6 +20,7 @@ from vescale.dtensor.device_mesh import known_meshes
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "WAIT_TENSOR",
     "CollectiveRecord",
     "attach_records",
     "collective_table",
@@ -29,6 +30,7 @@ __all__ = [
 ]
 
 _c10d = torch.ops._c10d_functional
+WAIT_TENSOR = _c10d.wait_tensor.default
 COLLECTIVE_KINDS: dict[Any, str] = {
     _c10d.all_reduce.default: "all_reduce",
     _c10d.all_gather_into_tensor.default: "all_gather",

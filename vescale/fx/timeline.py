@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vescale.fx.collectives import COLLECTIVE_KINDS
+from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR
 
 __all__ = ["estimate_us", "timeline", "write_schedule_json"]
 
@@ -24,7 +24,6 @@ FLOPS = 20e9
 MEM_BPS = 10e9
 LINK_BPS = 1e9
 LATENCY_US = 30.0
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
 _MATMUL = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
@@ -38,7 +37,7 @@ def _val_bytes(val: Any) -> int:
 
 def estimate_us(node: torch.fx.Node) -> float:
     """Static duration estimate of ``node`` in microseconds."""
-    if node.op != "call_function" or node.target is _WAIT:
+    if node.op != "call_function" or node.target is WAIT_TENSOR:
         return 0.0
     if node.target in COLLECTIVE_KINDS:
         return LATENCY_US + _val_bytes(node.all_input_nodes[0].meta.get("val")) / LINK_BPS * 1e6
@@ -60,7 +59,7 @@ def timeline(gm: torch.fx.GraphModule, graph: str) -> list[dict[str, Any]]:
             start = max(compute_t, comm_t)
             comm_t = ends[node] = start + dur
             lane, name = "communication", str(node.target).split(".")[1]
-        elif node.target is _WAIT:
+        elif node.target is WAIT_TENSOR:
             start, dur = compute_t, max(0.0, ends.get(node.args[0], 0.0) - compute_t)  # type: ignore[arg-type]
             compute_t += dur
             lane, name = "compute", "wait"

@@ -15,12 +15,10 @@ from typing import Any
 
 import torch
 
-from vescale.fx.collectives import COLLECTIVE_KINDS
+from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR
 from vescale.passes.manager import PassContext
 
 __all__ = ["annotate"]
-
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 def _agreeing(nodes: list[torch.fx.Node]) -> tuple[Any, str] | None:
@@ -50,7 +48,7 @@ def _inherit_placements(gm: torch.fx.GraphModule) -> int:
             custom = node.meta.get("custom") or {}
             if node.op != "call_function" or "vescale_placements" in custom:
                 continue
-            if node.target in COLLECTIVE_KINDS or node.target is _WAIT:
+            if node.target in COLLECTIVE_KINDS or node.target is WAIT_TENSOR:
                 continue
             near = neighbours(node)
             tagged = [n for n in near if "vescale_placements" in (n.meta.get("custom") or {})]
@@ -80,10 +78,10 @@ def verify_waits(gm: torch.fx.GraphModule, graph_name: str) -> None:
     for node in gm.graph.nodes:
         seen.add(node)
         if node.op != "call_function" or node.target not in COLLECTIVE_KINDS:
-            if node.target is _WAIT and node.args[0] not in seen:
+            if node.target is WAIT_TENSOR and node.args[0] not in seen:
                 raise RuntimeError(f"{graph_name}: %{node.name} waits before its collective")
             continue
-        direct = [u for u in node.users if u.target not in (_WAIT, operator.getitem)]
+        direct = [u for u in node.users if u.target not in (WAIT_TENSOR, operator.getitem)]
         if direct:
             raise RuntimeError(
                 f"{graph_name}: {node.target} result %{node.name} is used by "

@@ -30,12 +30,11 @@ from typing import Any
 import torch
 
 from vescale.dtensor._torch_compat import bucket_merge_fns, stable_topological_sort
-from vescale.fx.collectives import COLLECTIVE_KINDS, group_name, user_source
+from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR, group_name, user_source
 from vescale.passes.manager import PassContext
 
 __all__ = ["bucket"]
 
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
 _c10d = torch.ops._c10d_functional
 _BUCKETABLE: dict[Any, str] = {
     _c10d.all_reduce.default: "all_reduce",
@@ -81,7 +80,7 @@ def select_buckets(gm: torch.fx.GraphModule, cap_bytes: int) -> list[list[torch.
         if node.op != "call_function" or node.target not in _BUCKETABLE:
             continue
         users = list(node.users)
-        if len(users) != 1 or users[0].target is not _WAIT or "val" not in node.meta:
+        if len(users) != 1 or users[0].target is not WAIT_TENSOR or "val" not in node.meta:
             continue
         key, size = _key(node), _size(node)
         # a collective consuming the result can move after the bucket; anything else cannot

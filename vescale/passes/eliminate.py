@@ -17,14 +17,13 @@ import torch
 import torch.distributed as dist
 
 from vescale.dtensor._torch_compat import resolve_process_group
-from vescale.fx.collectives import COLLECTIVE_KINDS, group_name
+from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR, group_name
 from vescale.passes.manager import PassContext
 
 __all__ = ["eliminate"]
 
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
-_WAIT = _c10d.wait_tensor.default
 
 
 def _rank_in_group(node: torch.fx.Node) -> int | None:
@@ -72,7 +71,7 @@ def eliminate(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModul
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in COLLECTIVE_KINDS:
             continue
-        for w in [u for u in node.users if u.target is _WAIT and not u.users]:
+        for w in [u for u in node.users if u.target is WAIT_TENSOR and not u.users]:
             gm.graph.erase_node(w)
         if not node.users:
             gm.graph.erase_node(node)

@@ -22,12 +22,10 @@ from typing import cast
 
 import torch
 
-from vescale.fx.collectives import COLLECTIVE_KINDS
+from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR
 from vescale.passes.manager import PassContext
 
 __all__ = ["schedule", "schedule_order"]
-
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 def _bytes(node: torch.fx.Node) -> int:
@@ -44,7 +42,7 @@ def schedule_order(gm: torch.fx.GraphModule, cap_bytes: int) -> list[torch.fx.No
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     is_coll = {n: n.op == "call_function" and n.target in COLLECTIVE_KINDS for n in nodes}
-    is_wait = {n: n.op == "call_function" and n.target is _WAIT for n in nodes}
+    is_wait = {n: n.op == "call_function" and n.target is WAIT_TENSOR for n in nodes}
     colls = [n for n in nodes if is_coll[n]]
     prev = {c: p for p, c in itertools.pairwise(colls)}
 
@@ -137,6 +135,6 @@ def schedule(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule
         for n in order
         if n.target in COLLECTIVE_KINDS
         for w in n.users
-        if w.target is _WAIT
+        if w.target is WAIT_TENSOR
     }
     return gm

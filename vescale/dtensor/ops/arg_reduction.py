@@ -46,49 +46,25 @@ def _output_placements(
     return out
 
 
-@bypass_dispatch(list(_LARGEST))
-def arg_extremum(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``argmax``/``argmin`` on DTensors (see module docstring)."""
-    x = args[0]
-    dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-    if not isinstance(x, _UpstreamDTensor) or dim is None or x.ndim == 0:
-        return python_dispatch(op, args, kwargs)
-    dim = dim % x.ndim
-    mesh, placements = x.device_mesh, tuple(x.placements)
-    sharding = [i for i, p in enumerate(placements) if p.is_shard(dim) and mesh.size(i) > 1]
-    if not sharding or any(p.is_partial() for p in placements):
-        return python_dispatch(op, args, kwargs)
-    local = wait_local(x._local_tensor)
-    _, offsets = compute_local_shape_and_global_offset(x.shape, mesh, placements)
-    largest = _LARGEST[op]
-    if local.shape[dim] > 0:
+def _candidates(
+    local: torch.Tensor, offset: int, dim: int, k: int, largest: bool, first: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``k`` best (values, global indices) along ``dim``; a short or empty shard
+    is padded with candidates that never win. ``first``: argmax/argmin (first occurrence)."""
+    n = local.shape[dim]
+    if first and n:
         idx = local.argmax(dim, keepdim=True) if largest else local.argmin(dim, keepdim=True)
         val = local.gather(dim, idx)
-        idx = idx + offsets[dim]
     else:
-        shape = list(local.shape)
-        shape[dim] = 1
+        val, idx = local.topk(min(k, n), dim, largest=largest, sorted=True)
+    idx = idx + offset
+    if idx.shape[dim] < k:
+        pad = list(local.shape)
+        pad[dim] = k - idx.shape[dim]
         fill = float("-inf") if largest else float("inf")
-        val = torch.full(shape, fill, dtype=local.dtype, device=local.device)
-        idx = torch.zeros(shape, dtype=torch.long, device=local.device)
-    for mesh_dim in reversed(sharding):  # innermost first: candidates stay in global order
-        vals = funcol.all_gather_tensor(val.contiguous(), dim, (mesh, mesh_dim))
-        idxs = funcol.all_gather_tensor(idx.contiguous(), dim, (mesh, mesh_dim))
-        best = vals.argmax(dim, keepdim=True) if largest else vals.argmin(dim, keepdim=True)
-        val, idx = vals.gather(dim, best), idxs.gather(dim, best)
-    if not keepdim:
-        idx = idx.squeeze(dim)
-    out_placements = _output_placements(placements, dim, bool(keepdim), sharding)
-    shape = list(x.shape)
-    if keepdim:
-        shape[dim] = 1
-    else:
-        del shape[dim]
-    stride = torch.empty(shape, device="meta").stride()
-    return from_local(
-        idx, mesh, out_placements, run_check=False, shape=torch.Size(shape), stride=stride
-    )
+        val = torch.cat([val, torch.full(pad, fill, dtype=val.dtype, device=val.device)], dim)
+        idx = torch.cat([idx, torch.zeros(pad, dtype=torch.long, device=idx.device)], dim)
+    return val, idx
 
 
 def _gather_best(
@@ -97,56 +73,84 @@ def _gather_best(
     dim: int,
     k: int,
     largest: bool,
+    first: bool,
     mesh: Any,
     mesh_dims: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    for mesh_dim in reversed(mesh_dims):  # innermost first: candidates stay in global order
-        vals = funcol.all_gather_tensor(val.contiguous(), dim, (mesh, mesh_dim))
-        idxs = funcol.all_gather_tensor(idx.contiguous(), dim, (mesh, mesh_dim))
-        val, best = wait_local(vals).topk(k, dim, largest=largest, sorted=True)
-        idx = wait_local(idxs).gather(dim, best)
+    """The ``k`` best over all ranks of ``mesh_dims`` (innermost first: candidates stay in
+    global order, so the first best is torch's first occurrence)."""
+    for mesh_dim in reversed(mesh_dims):
+        vals = wait_local(funcol.all_gather_tensor(val.contiguous(), dim, (mesh, mesh_dim)))
+        idxs = wait_local(funcol.all_gather_tensor(idx.contiguous(), dim, (mesh, mesh_dim)))
+        if first:
+            best = vals.argmax(dim, keepdim=True) if largest else vals.argmin(dim, keepdim=True)
+        else:
+            best = vals.topk(k, dim, largest=largest, sorted=True)[1]
+        val, idx = vals.gather(dim, best), idxs.gather(dim, best)
     return val, idx
+
+
+def _reduce(
+    x: _UpstreamDTensor, dim: int, k: int, largest: bool, first: bool
+) -> tuple[torch.Tensor, torch.Tensor, list[Placement], list[int]]:
+    """(values, indices, output placements, sharding mesh dims) with ``dim`` kept (size k)."""
+    mesh, placements = x.device_mesh, tuple(x.placements)
+    sharding = [i for i, p in enumerate(placements) if p.is_shard(dim) and mesh.size(i) > 1]
+    _, offsets = compute_local_shape_and_global_offset(x.shape, mesh, placements)
+    val, idx = _candidates(wait_local(x._local_tensor), offsets[dim], dim, k, largest, first)
+    if sharding:
+        val, idx = _gather_best(val, idx, dim, k, largest, first, mesh, sharding)
+    return val, idx, _output_placements(placements, dim, True, sharding), sharding
+
+
+def _as_dtensor(
+    local: torch.Tensor, x: _UpstreamDTensor, placements: list[Placement], shape: list[int]
+) -> Any:
+    stride = torch.empty(shape, device="meta").stride()
+    return from_local(
+        local, x.device_mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
+    )
+
+
+@bypass_dispatch(list(_LARGEST))
+def arg_extremum(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``argmax``/``argmin`` on DTensors (see module docstring)."""
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    if not isinstance(x, _UpstreamDTensor) or dim is None or x.ndim == 0:
+        return python_dispatch(op, args, kwargs)
+    dim = dim % x.ndim
+    sharded = any(p.is_shard(dim) and x.device_mesh.size(i) > 1 for i, p in enumerate(x.placements))
+    if not sharded or any(p.is_partial() for p in x.placements):
+        return python_dispatch(op, args, kwargs)
+    _, idx, placements, sharding = _reduce(x, dim, 1, _LARGEST[op], first=True)
+    shape = list(x.shape)
+    shape[dim] = 1
+    if not keepdim:
+        idx = idx.squeeze(dim)
+        del shape[dim]
+        placements = _output_placements(tuple(x.placements), dim, False, sharding)
+    return _as_dtensor(idx, x, placements, shape)
 
 
 @bypass_dispatch(aten.topk.default)
 def sharded_topk(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``topk`` on DTensors: local along an unsharded dim (any Shard/Replicate layout, uneven
     included), candidates + gather along a sharded one (see module docstring); sorted."""
-    names = ["self", "k", "dim", "largest", "sorted"]
-    bound = dict(zip(names, args)) | kwargs
+    bound = dict(zip(["self", "k", "dim", "largest", "sorted"], args)) | kwargs
     x, k = bound["self"], int(bound["k"])
-    dim, largest = bound.get("dim", -1), bound.get("largest", True)
     if not isinstance(x, _UpstreamDTensor) or x.ndim == 0:
         return python_dispatch(op, args, kwargs)
-    dim = dim % x.ndim
-    mesh, placements = x.device_mesh, tuple(x.placements)
-    sharding = [i for i, p in enumerate(placements) if p.is_shard(dim) and mesh.size(i) > 1]
-    if any(p.is_partial() for p in placements):
+    if any(p.is_partial() for p in x.placements):
         return python_dispatch(op, args, kwargs)
-    local = wait_local(x._local_tensor)
-    _, offsets = compute_local_shape_and_global_offset(x.shape, mesh, placements)
+    dim = bound.get("dim", -1) % x.ndim
     if k > x.shape[dim]:
         raise RuntimeError(
             f"aten.topk.default: k={k} is larger than dim {dim} of size {x.shape[dim]} "
-            f"(global shape {tuple(x.shape)}, placements {placements} on {mesh})"
+            f"(global shape {tuple(x.shape)}, placements {tuple(x.placements)} on {x.device_mesh})"
         )
-    n = local.shape[dim]
-    val, idx = local.topk(min(k, n), dim, largest=largest, sorted=True)
-    idx = idx + offsets[dim]
-    if n < k:  # a short uneven shard: pad with candidates that never win
-        pad_shape = list(local.shape)
-        pad_shape[dim] = k - n
-        fill = float("-inf") if largest else float("inf")
-        val = torch.cat([val, torch.full(pad_shape, fill, dtype=val.dtype)], dim)
-        idx = torch.cat([idx, torch.zeros(pad_shape, dtype=torch.long)], dim)
-    if sharding:
-        val, idx = _gather_best(val, idx, dim, k, largest, mesh, sharding)
-    out_placements = _output_placements(placements, dim, True, sharding)
+    val, idx, placements, _ = _reduce(x, dim, k, bound.get("largest", True), first=False)
     shape = list(x.shape)
     shape[dim] = k
-    stride = torch.empty(shape, device="meta").stride()
-    size = torch.Size(shape)
-    return (
-        from_local(val, mesh, out_placements, run_check=False, shape=size, stride=stride),
-        from_local(idx, mesh, out_placements, run_check=False, shape=size, stride=stride),
-    )
+    return _as_dtensor(val, x, placements, shape), _as_dtensor(idx, x, placements, shape)
