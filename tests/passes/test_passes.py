@@ -22,6 +22,7 @@ from tests.harness import fake_world
 from vescale import Replicate, Shard
 from vescale.ddp import DistributedDataParallel
 from vescale.fx.collectives import COLLECTIVE_KINDS
+from vescale.fx.dump import graph_text
 
 PASSES_OFF = {"eliminate": False, "bucket_cap_mb": 0, "overlap": False}
 WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -68,6 +69,10 @@ def test_bucket_count_follows_the_cap(cap_mb, expected):
     assert result.reports["backward"]["buckets"] == [n for n in expected if n > 1]
     buckets = [r["bucket"] for r in reductions]
     assert buckets == ([None] * 4 if cap_mb == 0 else list(range(len(expected))))
+    # every node a merge added (packing, collective, wait, unpacking) is named in the dumps
+    text = graph_text(result.backward, "backward")
+    tagged = [ln for ln in text.splitlines() if "  bucket " in ln]
+    assert (len(tagged) > 0) == (cap_mb > 0), text
 
 
 def test_schedule_waits_after_collective_and_before_first_use():

@@ -19,8 +19,8 @@ def _fmt(arg: object) -> str:
 
 
 def graph_text(gm: torch.fx.GraphModule, title: str) -> str:
-    """``gm`` as text: ``%name = target(args)``, then shape/dtype, placements and, for a
-    collective, ``<< kind  N B  mesh dim d  @ file.py:line``."""
+    """``gm`` as text: ``%name = target(args)``, then shape/dtype, placements, the bucket a
+    node packs or unpacks and, for a collective, ``<< kind  N B  mesh dim d  @ file.py:line``."""
     lines = [f"# {title}"]
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -48,6 +48,8 @@ def graph_text(gm: torch.fx.GraphModule, title: str) -> str:
             notes.append("(" + ", ".join(custom["vescale_placements"]) + ")" + via)
         if "vescale_redistribute" in custom:
             notes.append(f"redistribute {custom['vescale_redistribute']}")
+        if "vescale_bucket" in custom:
+            notes.append(f"bucket {custom['vescale_bucket']}")
         coll = custom.get("vescale_collective")
         if node.target in COLLECTIVE_KINDS and coll:
             mesh_dim = "" if coll["mesh_dim"] is None else f"  mesh dim {coll['mesh_dim']}"

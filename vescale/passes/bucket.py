@@ -15,9 +15,10 @@ graph, makes the same buckets and issues them in the same order):
 * a bucket closes when a candidate does not fit; one-member buckets stay as they are.
 
 The rewrite (flatten, concatenate, one collective, split, restore shapes) is upstream
-Inductor's ``merge_{all_reduce,all_gather,reduce_scatter}_bucket``. Each merged collective
-gets ``custom["vescale_bucket"]`` (its id in this graph) and ``custom["vescale_sources"]``
-(the user lines of its members); ``ctx.reports["buckets"]`` lists member counts.
+Inductor's ``merge_{all_reduce,all_gather,reduce_scatter}_bucket``. Every node of a merge
+(packing, collective, wait, unpacking) gets ``custom["vescale_bucket"]`` (the bucket's id in
+this graph, shown in dumps), the collective also ``custom["vescale_sources"]`` (the user lines
+of its members); ``ctx.reports["buckets"]`` lists member counts.
 """
 
 from __future__ import annotations
@@ -114,10 +115,11 @@ def bucket(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     for members in buckets:
         sources = sorted({s for m in members if (s := user_source(m))})
         new_nodes, _ = merge[_BUCKETABLE[members[0].target]](gm.graph, members)
+        bucket_id = next(ids)
+        for n in new_nodes:  # the packing, the collective, its wait and the unpacking
+            n.meta.setdefault("custom", {})["vescale_bucket"] = bucket_id
         merged = next(n for n in new_nodes if n.target in COLLECTIVE_KINDS)
-        merged.meta.setdefault("custom", {}).update(
-            vescale_bucket=next(ids), vescale_sources=sources
-        )
+        merged.meta["custom"]["vescale_sources"] = sources
         stable_topological_sort(gm.graph)  # collectives fed by a bucket move after it
     gm.graph.lint()
     ctx.reports["buckets"] = [len(m) for m in buckets]
