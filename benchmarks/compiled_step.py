@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import gpt
 
 import vescale
+from vescale.backend import PASSES_OFF
 from vescale.ddp import DistributedDataParallel
 
 CFG = gpt.GPTConfig(vocab=128, seq=32, dim=64, heads=4, layers=4)
-PASSES_OFF = {"eliminate": False, "bucket_cap_mb": 0, "overlap": False}
 _NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")
 
 

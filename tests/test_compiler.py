@@ -19,10 +19,9 @@ import vescale
 from tests.dtensor.reference import mesh_of
 from tests.harness.collectives import count_collectives
 from vescale import Replicate, Shard
-from vescale.backend import BackendOptions
+from vescale.backend import PASSES_OFF, BackendOptions
 
 LAYOUT = {"w1": [Shard(0)], "b1": [Shard(0)], "w2": [Shard(1)]}
-PASSES_OFF = {"eliminate": False, "bucket_cap_mb": 0, "overlap": False}
 
 
 def _line_of(marker):

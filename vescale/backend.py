@@ -60,7 +60,7 @@ from vescale.passes import (
     schedule,
 )
 
-__all__ = ["BackendOptions", "register", "vescale_backend"]
+__all__ = ["PASSES_OFF", "BackendOptions", "register", "vescale_backend"]
 
 BACKEND_NAME = "vescale"
 PIPELINE = PassManager(
@@ -74,6 +74,8 @@ PIPELINE = PassManager(
 )
 _graph_ids = itertools.count()
 DEFAULT_BUCKET_CAP_MB = 25.0
+# Backend options turning the communication passes off: the captured program as eager runs it.
+PASSES_OFF: dict[str, Any] = {"eliminate": False, "bucket_cap_mb": 0, "overlap": False}
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import vescale
 from tests.dtensor.reference import mesh_of
 from tests.harness.collectives import count_collectives
 from vescale import Replicate, Shard
+from vescale.backend import PASSES_OFF
 from vescale.ddp import DistributedDataParallel
 
 LAYOUT = {  # (dp, tp)
@@ -96,8 +97,7 @@ def _check_backward_collectives():
     # one all-reduce per parameter replicated over dp, of its local gradient: fc2.bias (6,),
     # fc1.bias (8,), fc2.weight (6, 8), fc1.weight (8, 8) float32; the dp-sharded scale: one
     # reduce-scatter of its (6,) Partial gradient (the backward of its forward all-gather)
-    passes_off = {"eliminate": False, "bucket_cap_mb": 0, "overlap": False}
-    assert _dp_backward_collectives(passes_off) == [
+    assert _dp_backward_collectives(PASSES_OFF) == [
         ("all_reduce", 24, None),
         ("all_reduce", 32, None),
         ("all_reduce", 192, None),

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import vescale
 from tests.harness import fake_world
 from vescale import Replicate, Shard
+from vescale.backend import PASSES_OFF
 
 
 def _block(x, p):
@@ -79,8 +80,7 @@ def test_trace_gpt_block_at_512_ranks():
         inputs = gpt.shard_batch(mesh, *gpt.batch(cfg, 0, batch_size=32))
         t0 = time.perf_counter()
         # passes off: one collective per cause (bucketing is tested in tests/passes)
-        passes_off = {"eliminate": False, "bucket_cap_mb": 0, "overlap": False}
-        result = vescale.fx.trace(model, *inputs, options=passes_off)
+        result = vescale.fx.trace(model, *inputs, options=PASSES_OFF)
         elapsed = time.perf_counter() - t0
     assert elapsed < 30, elapsed
     tp_ranks, dp_ranks = list(range(32)), list(range(0, 512, 32))

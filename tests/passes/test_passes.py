@@ -20,11 +20,11 @@ import vescale
 from tests.dtensor.reference import mesh_of
 from tests.harness import fake_world
 from vescale import Replicate, Shard
+from vescale.backend import PASSES_OFF
 from vescale.ddp import DistributedDataParallel
 from vescale.fx.collectives import COLLECTIVE_KINDS
 from vescale.fx.dump import graph_text
 
-PASSES_OFF = {"eliminate": False, "bucket_cap_mb": 0, "overlap": False}
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 

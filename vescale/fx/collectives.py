@@ -25,6 +25,7 @@ __all__ = [
     "attach_records",
     "collective_table",
     "group_name",
+    "node_bytes",
     "user_line_of_stack",
     "user_source",
 ]
@@ -93,16 +94,18 @@ def _mesh_dim(group_name: str) -> int | None:
     return None
 
 
+def node_bytes(node: object) -> int:
+    """Bytes of the tensor an FX node produces (its ``meta["val"]``); 0 if it has none."""
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return int(val.numel()) * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
 def _nbytes(node: torch.fx.Node) -> tuple[str, int]:
     inp = node.args[0]
     vals = inp if isinstance(inp, list | tuple) else [inp]
-    total, dtype = 0, ""
-    for v in vals:
-        val = v.meta.get("val") if isinstance(v, torch.fx.Node) else None
-        if isinstance(val, torch.Tensor):
-            total += int(val.numel()) * val.element_size()
-            dtype = str(val.dtype).removeprefix("torch.")
-    return dtype, total
+    tensors = [v.meta.get("val") for v in vals if isinstance(v, torch.fx.Node)]
+    dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors if isinstance(t, torch.Tensor)]
+    return (dtypes[-1] if dtypes else ""), sum(node_bytes(v) for v in vals)
 
 
 def collective_table(gm: torch.fx.GraphModule, graph: str) -> list[CollectiveRecord]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR
+from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR, node_bytes
 
 __all__ = ["estimate_us", "timeline", "write_schedule_json"]
 
@@ -31,21 +31,17 @@ _MATMUL = {
 }
 
 
-def _val_bytes(val: Any) -> int:
-    return int(val.numel() * val.element_size()) if isinstance(val, torch.Tensor) else 0
-
-
 def estimate_us(node: torch.fx.Node) -> float:
     """Static duration estimate of ``node`` in microseconds."""
     if node.op != "call_function" or node.target is WAIT_TENSOR:
         return 0.0
     if node.target in COLLECTIVE_KINDS:
-        return LATENCY_US + _val_bytes(node.all_input_nodes[0].meta.get("val")) / LINK_BPS * 1e6
+        return LATENCY_US + node_bytes(node.all_input_nodes[0]) / LINK_BPS * 1e6
     out = node.meta.get("val")
     if node.target in _MATMUL and isinstance(out, torch.Tensor):
         inner = node.all_input_nodes[-1].meta["val"].shape[-2]
         return 2.0 * out.numel() * inner / FLOPS * 1e6
-    return _val_bytes(out) / MEM_BPS * 1e6
+    return node_bytes(node) / MEM_BPS * 1e6
 
 
 def timeline(gm: torch.fx.GraphModule, graph: str) -> list[dict[str, Any]]:

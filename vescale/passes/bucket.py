@@ -31,7 +31,13 @@ from typing import Any
 import torch
 
 from vescale.dtensor._torch_compat import bucket_merge_fns, stable_topological_sort
-from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR, group_name, user_source
+from vescale.fx.collectives import (
+    COLLECTIVE_KINDS,
+    WAIT_TENSOR,
+    group_name,
+    node_bytes,
+    user_source,
+)
 from vescale.passes.manager import PassContext
 
 __all__ = ["bucket"]
@@ -59,8 +65,7 @@ def _key(node: torch.fx.Node) -> tuple[Any, ...]:
 
 
 def _size(node: torch.fx.Node) -> int:
-    out, inp = node.meta["val"], node.all_input_nodes[0].meta["val"]
-    return max(out.numel() * out.element_size(), inp.numel() * inp.element_size())
+    return max(node_bytes(node), node_bytes(node.all_input_nodes[0]))
 
 
 def _descendants(node: torch.fx.Node, into: set[torch.fx.Node]) -> None:

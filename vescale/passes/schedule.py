@@ -22,15 +22,10 @@ from typing import cast
 
 import torch
 
-from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR
+from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR, node_bytes
 from vescale.passes.manager import PassContext
 
 __all__ = ["schedule", "schedule_order"]
-
-
-def _bytes(node: torch.fx.Node) -> int:
-    val = node.meta.get("val")
-    return int(val.numel() * val.element_size()) if isinstance(val, torch.Tensor) else 0
 
 
 def _collective(wait: torch.fx.Node) -> torch.fx.Node:
@@ -85,7 +80,7 @@ def schedule_order(gm: torch.fx.GraphModule, cap_bytes: int) -> list[torch.fx.No
             return
         c = _collective(w)
         inflight.remove(c)
-        inflight_bytes -= _bytes(c)
+        inflight_bytes -= node_bytes(c)
         place(w)
 
     for n, gs in blockers.items():
@@ -97,7 +92,7 @@ def schedule_order(gm: torch.fx.GraphModule, cap_bytes: int) -> list[torch.fx.No
     while ready_colls or ready_compute:
         if ready_colls:
             c = ready_colls.popleft()
-            while inflight and inflight_bytes + _bytes(c) > cap_bytes:
+            while inflight and inflight_bytes + node_bytes(c) > cap_bytes:
                 place_wait(wait_of[inflight[0]])
             for a in c.all_input_nodes:  # a chained collective needs the previous result
                 if is_wait[a]:
@@ -105,7 +100,7 @@ def schedule_order(gm: torch.fx.GraphModule, cap_bytes: int) -> list[torch.fx.No
             place(c)
             if c in wait_of:
                 inflight.append(c)
-                inflight_bytes += _bytes(c)
+                inflight_bytes += node_bytes(c)
             continue
         n = nodes[heapq.heappop(ready_compute)]
         for a in n.all_input_nodes:
