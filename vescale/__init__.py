@@ -17,6 +17,12 @@ from vescale.dtensor import (
     redistribute_dtensor,
     to_local,
 )
+from vescale.dtensor.deferred_init import (
+    deferred_init,
+    is_deferred,
+    materialize_dtensor,
+    materialize_module,
+)
 
 __version__ = "0.1.0"
 
@@ -28,9 +34,13 @@ __all__ = [
     "Replicate",
     "Shard",
     "__version__",
+    "deferred_init",
     "distribute_tensor",
     "from_local",
     "init_device_mesh",
+    "is_deferred",
+    "materialize_dtensor",
+    "materialize_module",
     "redistribute_dtensor",
     "to_local",
 ]

@@ -1,0 +1,550 @@
+"""Deferred initialization: build a module without its memory, materialize only local shards.
+
+``deferred_init(module_fn, *args, **kwargs)`` runs ``module_fn`` while a dispatch mode turns
+every tensor factory into a *deferred tensor*: a storage-less tensor (reports its intended
+device, holds no data) that records how it was made and every op applied to it afterwards.
+Random ops are recorded with the generator state they start from, and the generator is
+advanced exactly as the eager op would advance it (by walking the stream in bounded pieces,
+see :mod:`vescale.dtensor.random`), so random ops after ``deferred_init`` see the same
+generator state as after eager construction.
+
+``materialize_dtensor`` / ``materialize_module`` replay the record for this rank's global
+indices only: creation (empty/zeros/ones/full) allocates the local shard, random ops fill it
+through :func:`vescale.dtensor.random.run_random` with the recorded generator state (which is
+restored afterwards), and exact element-wise in-place ops (fill, zero, add, mul, clamp,
+erfinv, copy from a constant, ...) run on the shard, through ``select``/``slice`` views too
+(e.g. an embedding's ``padding_idx`` row). Everything else (ops mixing deferred tensors, other
+views, other factories such as ``arange``) replays that one tensor in full and slices it:
+exact, bounded by the size of that single tensor. No communication happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import functools
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from vescale.dtensor import api
+from vescale.dtensor.placement_types import Placement, normalize_placements
+from vescale.dtensor.random import (
+    RANDOM_OPS,
+    Indices,
+    RandomOp,
+    default_generator,
+    local_indices,
+    random_op_of,
+    run_random,
+    take_local,
+)
+
+__all__ = ["deferred_init", "is_deferred", "materialize_dtensor", "materialize_module"]
+
+aten = torch.ops.aten
+OpOverload = torch._ops.OpOverload
+M = TypeVar("M", bound=nn.Module)
+
+_FILL_FACTORIES = {"empty": None, "empty_strided": None, "zeros": 0, "ones": 1, "full": "arg"}
+_LIKE = {
+    "empty_like": None, "new_empty": None, "new_empty_strided": None, "zeros_like": 0,
+    "new_zeros": 0, "ones_like": 1, "new_ones": 1, "full_like": "arg", "new_full": "arg",
+}  # fmt: skip
+_RANDOM_FACTORIES = {
+    aten.rand.default: (aten.uniform_.default, (0.0, 1.0)),
+    aten.rand.generator: (aten.uniform_.default, (0.0, 1.0)),
+    aten.randn.default: (aten.normal_.default, (0.0, 1.0)),
+    aten.randn.generator: (aten.normal_.default, (0.0, 1.0)),
+    aten.rand_like.default: (aten.uniform_.default, (0.0, 1.0)),
+    aten.randn_like.default: (aten.normal_.default, (0.0, 1.0)),
+}
+# In-place ops that give bit-identical results on any subset of elements.
+_LOCAL_INPLACE = {
+    "fill_", "zero_", "add_", "sub_", "mul_", "div_", "clamp_", "clamp_min_", "clamp_max_",
+    "erfinv_", "neg_", "abs_", "sqrt_", "copy_",
+}  # fmt: skip
+_IDENTITY_VIEWS = (aten.detach.default, aten.alias.default)
+
+
+@dataclass
+class _Ref:
+    """A deferred tensor inside a recorded op: its record, version and view chain."""
+
+    record: _Record
+    version: int
+    view: tuple[tuple[OpOverload, tuple[Any, ...]], ...]
+
+
+@dataclass
+class _Step:
+    kind: str  # "fill" | "factory" | "derived" | "inplace" | "random"
+    func: Any = None
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    view: tuple[tuple[OpOverload, tuple[Any, ...]], ...] = ()
+    value: Any = None  # fill value; output index of a derived multi-output op
+    rng: tuple[RandomOp, torch.Generator, torch.Tensor] | None = None
+
+
+@dataclass(eq=False)
+class _Record:
+    """How one storage is produced: its creation, then in-place ops in order."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    steps: list[_Step] = field(default_factory=list)
+
+
+class _DeferredTensor(torch.Tensor):
+    """A tensor without storage: its record (shared by aliases) and view chain."""
+
+    _record: _Record
+    _view: tuple[tuple[OpOverload, tuple[Any, ...]], ...]
+
+    @staticmethod
+    def __new__(
+        cls,
+        meta: torch.Tensor,
+        record: _Record,
+        view: tuple[tuple[OpOverload, tuple[Any, ...]], ...],
+        requires_grad: bool = False,
+    ) -> _DeferredTensor:
+        t = torch.Tensor._make_wrapper_subclass(
+            cls,
+            meta.shape,
+            strides=meta.stride(),
+            dtype=meta.dtype,
+            device=record.device,
+            requires_grad=requires_grad,
+        )
+        t._record, t._view = record, view
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: OpOverload, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        return _handle(func, tuple(args), dict(kwargs or {}), factories=False)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return (
+            f"DeferredTensor(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+        )
+
+
+class _DeferMode(TorchDispatchMode):
+    def __torch_dispatch__(
+        self, func: OpOverload, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        return _handle(func, tuple(args), dict(kwargs or {}), factories=True)
+
+
+# ---- recording -------------------------------------------------------------------------
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _new(meta: torch.Tensor, device: torch.device, step: _Step) -> _DeferredTensor:
+    record = _Record(tuple(meta.shape), tuple(meta.stride()), meta.dtype, device, [step])
+    return _DeferredTensor(meta, record, ())
+
+
+def _ref(x: Any) -> Any:
+    if isinstance(x, _DeferredTensor):
+        return _Ref(x._record, len(x._record.steps), x._view)
+    return x
+
+
+def _device_of(kwargs: dict[str, Any]) -> torch.device:
+    dev = kwargs.get("device")
+    return torch.device(dev) if dev is not None else torch.get_default_device()
+
+
+def _written(func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The deferred tensor ``func`` writes to, if any."""
+    for i, a in enumerate(func._schema.arguments):
+        info = a.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
+        if isinstance(value, _DeferredTensor):
+            return value
+    return None
+
+
+def _snapshot(
+    rop: RandomOp, device: torch.device
+) -> tuple[RandomOp, torch.Generator, torch.Tensor]:
+    gen = rop.generator or default_generator(device)
+    return RandomOp(rop.op, rop.args, gen), gen, gen.get_state()
+
+
+def _handle(
+    func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], *, factories: bool
+) -> Any:
+    flat = [*args, *kwargs.values()]
+    flat += [x for a in flat if isinstance(a, list | tuple) for x in a]
+    deferred = [a for a in flat if isinstance(a, _DeferredTensor)]
+    if not deferred:
+        if factories and not any(isinstance(a, torch.Tensor) for a in flat):
+            return _factory(func, args, kwargs)
+        return func(*args, **kwargs)
+    src = deferred[0]
+    if func in _IDENTITY_VIEWS:
+        return _DeferredTensor(_meta(src), src._record, src._view)
+    name = func.overloadpacket.__name__
+    if func in _RANDOM_FACTORIES or name in _LIKE:
+        meta = func(*tree_map(_to_meta, args), **_meta_kwargs(kwargs))
+        device = torch.device(kwargs.get("device") or src.device)
+        return _create(func, args, kwargs, meta, device)
+    target = _written(func, args, kwargs)
+    if target is not None:
+        return _record_inplace(func, args, kwargs, target)
+    try:
+        meta_out = func(*tree_map(_to_meta, args), **_meta_kwargs(kwargs))
+    except (NotImplementedError, RuntimeError):  # data-dependent: compute it for real
+        return func(*tree_map(_full_value, args), **tree_map(_full_value, kwargs))
+    if func._schema._is_view_op() and isinstance(meta_out, torch.Tensor):
+        rest = tuple(tree_map(_ref, args[1:]))
+        if all(a is src for a in deferred):
+            return _DeferredTensor(meta_out, src._record, (*src._view, (func, rest)))
+    if isinstance(meta_out, torch.Tensor):
+        return _new(meta_out, src.device, _Step("derived", func, _refs(args), _refs(kwargs)))
+    if isinstance(meta_out, list | tuple) and all(isinstance(o, torch.Tensor) for o in meta_out):
+        return type(meta_out)(
+            _new(o, src.device, _Step("derived", func, _refs(args), _refs(kwargs), value=i))
+            for i, o in enumerate(meta_out)
+        )
+    return func(*tree_map(_full_value, args), **tree_map(_full_value, kwargs))
+
+
+def _refs(x: Any) -> Any:
+    return tree_map(_ref, x)
+
+
+def _to_meta(x: Any) -> Any:
+    return _meta(x) if isinstance(x, torch.Tensor) else x
+
+
+def _meta_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    out = {k: _to_meta(v) for k, v in kwargs.items() if k != "generator"}
+    if "device" in out:
+        out["device"] = "meta"
+    return out
+
+
+def _factory(func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    device = _device_of(kwargs)
+    returns = func._schema.returns
+    if device.type == "meta" or len(returns) != 1 or str(returns[0].type) != "Tensor":
+        return func(*args, **kwargs)
+    if torch.Tag.nondeterministic_seeded in func.tags and func not in _RANDOM_FACTORIES:
+        return func(*args, **kwargs)  # an unmodelled random factory: run it eagerly
+    meta = func(*args, **{**_meta_kwargs(kwargs), "device": "meta"})
+    return _create(func, args, kwargs, meta, device)
+
+
+def _create(
+    func: OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    meta: torch.Tensor,
+    device: torch.device,
+) -> _DeferredTensor:
+    name = func.overloadpacket.__name__
+    if func in _RANDOM_FACTORIES:
+        t = _new(meta, device, _Step("fill"))
+        op, op_args = _RANDOM_FACTORIES[func]
+        _record_inplace(op, (t, *op_args), {"generator": kwargs.get("generator")}, t)
+        return t
+    fills = {**_FILL_FACTORIES, **_LIKE}
+    if name in fills:
+        value = fills[name]
+        if value == "arg":
+            value = args[1] if len(args) > 1 else kwargs["fill_value"]
+        return _new(meta, device, _Step("fill", value=value))
+    return _new(meta, device, _Step("factory", func, args, kwargs))
+
+
+def _record_inplace(
+    func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], target: _DeferredTensor
+) -> _DeferredTensor:
+    record = target._record
+    if func in RANDOM_OPS:
+        rop, gen, state = _snapshot(random_op_of(func, args, kwargs), record.device)
+        step = _Step("random", view=target._view, rng=(rop, gen, state))
+        run_random(rop, target.shape, target.dtype, record.device, None, stride=target.stride())
+    elif torch.Tag.nondeterministic_seeded in func.tags:
+        gen = kwargs.get("generator") or default_generator(record.device)
+        rop = RandomOp(func, (), gen)
+        step = _Step(
+            "random", func, _refs(args), _refs(kwargs), target._view, (rop, gen, gen.get_state())
+        )
+        eager = _apply_view(_full(record, len(record.steps)), target._view)
+        real = lambda x: eager if x is target else _full_value(x)  # noqa: E731
+        func(*tree_map(real, args), **tree_map(real, kwargs))  # advances the generator as eager
+    else:
+        step = _Step("inplace", func, _refs(args), _refs(kwargs), target._view)
+    record.steps.append(step)
+    return target
+
+
+# ---- replay ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _rng_at(gen: torch.Generator, state: torch.Tensor) -> Iterator[None]:
+    saved = gen.get_state()
+    gen.set_state(state)
+    try:
+        yield
+    finally:
+        gen.set_state(saved)
+
+
+def _apply_view(
+    t: torch.Tensor, view: Sequence[tuple[OpOverload, tuple[Any, ...]]]
+) -> torch.Tensor:
+    for func, rest in view:
+        t = func(t, *tree_map(_resolve, rest))
+    return t
+
+
+def _resolve(x: Any) -> Any:
+    if isinstance(x, _Ref):
+        return _apply_view(_full(x.record, x.version), x.view)
+    return x
+
+
+def _full(record: _Record, upto: int) -> torch.Tensor:
+    """Replay the first ``upto`` steps of ``record`` on a full tensor."""
+    t = torch.empty(0)
+    for step in record.steps[:upto]:
+        if step.kind == "fill":
+            t = torch.empty_strided(
+                record.shape, record.stride, dtype=record.dtype, device=record.device
+            )
+            if step.value is not None:
+                t.fill_(step.value)
+        elif step.kind in ("factory", "derived"):
+            args, kwargs = tree_map(_resolve, step.args), tree_map(_resolve, step.kwargs)
+            out = step.func(*args, **kwargs)
+            t = out[step.value] if step.kind == "derived" and step.value is not None else out
+        else:
+            target = _apply_view(t, step.view)
+            if step.func is None:  # a modelled random op
+                assert step.rng is not None
+                rop, gen, state = step.rng
+                with _rng_at(gen, state):
+                    rop.apply(target, gen)
+                continue
+            sub = functools.partial(_bind, record=record, target=target)
+            args, kwargs = tree_map(sub, step.args), tree_map(sub, step.kwargs)
+            if step.rng is not None:
+                with _rng_at(step.rng[1], step.rng[2]):
+                    step.func(*args, **kwargs)
+            else:
+                step.func(*args, **kwargs)
+    return t
+
+
+def _bind(x: Any, record: _Record, target: torch.Tensor) -> Any:
+    """A recorded argument during replay: ``target`` for ``record`` itself, else resolved."""
+    return target if isinstance(x, _Ref) and x.record is record else _resolve(x)
+
+
+def _full_value(x: Any) -> Any:
+    if isinstance(x, _DeferredTensor):
+        return _apply_view(_full(x._record, len(x._record.steps)), x._view)
+    return x
+
+
+def _view_positions(
+    view: Sequence[tuple[OpOverload, tuple[Any, ...]]], shape: Sequence[int]
+) -> list[torch.Tensor] | None:
+    """Per base dim, the base indices a chain of ``select``/``slice`` views covers."""
+    pos = [torch.arange(s) for s in shape]
+    dims = list(range(len(shape)))
+    for func, rest in view:
+        if func is aten.select.int:
+            d, i = dims.pop(rest[0]), rest[1]
+            pos[d] = pos[d][i : i + 1 if i != -1 else None]
+        elif func is aten.slice.Tensor:
+            dim, start, end, step = (*rest, None, None, None, 1)[:4]
+            d = dims[dim]
+            pos[d] = pos[d][start:end:step]
+        else:
+            return None
+    return pos
+
+
+def _local_ok(record: _Record) -> bool:
+    for i, step in enumerate(record.steps):
+        if i == 0:
+            if step.kind not in ("fill", "factory"):
+                return False
+        elif step.kind == "random":
+            if step.func is not None or step.view:
+                return False
+        elif step.kind == "inplace":
+            if step.func.overloadpacket.__name__ not in _LOCAL_INPLACE:
+                return False
+            rest = [*step.args[1:], *step.kwargs.values()]
+            if any(isinstance(a, _Ref) for a in rest):
+                return False
+            tensors = [a for a in rest if isinstance(a, torch.Tensor) and a.dim() > 0]
+            if step.view and (_view_positions(step.view, record.shape) is None or tensors):
+                return False
+        else:
+            return False
+    return True
+
+
+def _local_value(record: _Record, indices: Indices) -> torch.Tensor:
+    """This rank's shard of ``record``: replayed on the shard when every step allows it,
+    else replayed in full (this tensor only) and sliced."""
+    if not _local_ok(record):
+        return take_local(_full(record, len(record.steps)), indices)
+    local_shape = [ix.numel() for ix in indices]
+    local = torch.empty(0)
+    for step in record.steps:
+        if step.kind == "fill":
+            local = torch.empty(local_shape, dtype=record.dtype, device=record.device)
+            if step.value is not None:
+                local.fill_(step.value)
+        elif step.kind == "factory":
+            local = take_local(step.func(*step.args, **step.kwargs), indices)
+        elif step.kind == "random":
+            assert step.rng is not None
+            rop, gen, state = step.rng
+            with _rng_at(gen, state):
+                run_random(
+                    rop,
+                    record.shape,
+                    record.dtype,
+                    record.device,
+                    indices,
+                    stride=record.stride,
+                    out=local,
+                )
+        elif step.view:
+            pos = _view_positions(step.view, record.shape)
+            assert pos is not None
+            mine = tuple(torch.isin(ix, p).nonzero().flatten() for ix, p in zip(indices, pos))
+            sel = torch.meshgrid(*mine, indexing="ij") if mine else ()
+            sub = local[sel].contiguous()
+            step.func(sub, *step.args[1:], **step.kwargs)
+            local[sel] = sub
+        else:
+            args = tuple(_local_arg(a, record.shape, indices) for a in step.args[1:])
+            kwargs = {k: _local_arg(v, record.shape, indices) for k, v in step.kwargs.items()}
+            step.func(local, *args, **kwargs)
+    return local
+
+
+def _local_arg(x: Any, shape: Sequence[int], indices: Indices) -> Any:
+    if isinstance(x, torch.Tensor) and x.dim() > 0:
+        return take_local(x.expand(shape), indices)
+    return x
+
+
+# ---- public API ------------------------------------------------------------------------
+
+
+def deferred_init(module_fn: Callable[..., M], *args: Any, **kwargs: Any) -> M:
+    """``module_fn(*args, **kwargs)`` with no parameter or buffer memory allocated: tensors it
+    creates are deferred, recording their initialization (random ops with their generator
+    state; the generator advances as in eager construction)."""
+    with _DeferMode():
+        return module_fn(*args, **kwargs)
+
+
+def is_deferred(module_or_tensor: nn.Module | torch.Tensor) -> bool:
+    """Whether a tensor, or any parameter or buffer of a module, is still deferred."""
+    if isinstance(module_or_tensor, nn.Module):
+        return any(
+            isinstance(t, _DeferredTensor)
+            for t in [*module_or_tensor.parameters(), *module_or_tensor.buffers()]
+        )
+    return isinstance(module_or_tensor, _DeferredTensor)
+
+
+def _local_of(tensor: torch.Tensor, indices: Indices) -> torch.Tensor:
+    if not isinstance(tensor, _DeferredTensor):
+        return take_local(tensor.detach(), indices)
+    if tensor._view:
+        return take_local(_full_value(tensor), indices)
+    return _local_value(tensor._record, indices)
+
+
+def materialize_dtensor(
+    tensor: torch.Tensor, device_mesh: Any, placements: Sequence[Placement]
+) -> api.DTensor:
+    """A DTensor on ``device_mesh`` whose local shard is computed here (no communication), with
+    the values eager single-device initialization gives; a non-deferred tensor is sliced."""
+    pl = normalize_placements(placements, device_mesh, tensor.ndim, what="materialize_dtensor")
+    coord = device_mesh.get_coordinate()
+    shape = tuple(tensor.shape)
+    if coord is None:
+        local = torch.empty(0, dtype=tensor.dtype)
+    else:
+        local = _local_of(tensor, local_indices(shape, device_mesh, pl, coord))
+        if any(p.is_partial() and c != 0 for p, c in zip(pl, coord)):
+            local.zero_()  # Partial: the value on coordinate 0, zeros elsewhere
+    local = local.to(device_mesh.device_type if device_mesh.device_type != "meta" else "cpu")
+    stride = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    return api.from_local(local, device_mesh, pl, run_check=False, shape=shape, stride=stride)
+
+
+def _materialize_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    if not isinstance(tensor, _DeferredTensor):
+        return tensor
+    return _local_of(tensor, tuple(torch.arange(s) for s in tensor.shape))
+
+
+def materialize_module(
+    module: M, plan: Mapping[str, tuple[Any, Sequence[Placement]]] | None = None
+) -> M:
+    """Materialize ``module``'s deferred parameters and buffers in place.
+
+    ``plan`` maps names (``fnmatch`` patterns, first match wins) to ``(device_mesh,
+    placements)``: those become DTensors holding only this rank's shard; the rest become
+    ordinary tensors. Tied tensors stay tied. Returns ``module``."""
+    plan = dict(plan or {})
+    done: dict[int, torch.Tensor] = {}  # id of a (possibly tied) tensor -> its replacement
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for table in (mod._parameters, mod._buffers):
+            for leaf, t in table.items():
+                if t is None:
+                    continue
+                if id(t) not in done:
+                    name = f"{mod_name}.{leaf}" if mod_name else leaf
+                    done[id(t)] = _materialized(t, name, plan)
+                table[leaf] = done[id(t)]  # type: ignore[assignment]
+    return module
+
+
+def _materialized(
+    t: torch.Tensor, name: str, plan: Mapping[str, tuple[Any, Sequence[Placement]]]
+) -> torch.Tensor:
+    target = next((v for k, v in plan.items() if fnmatch.fnmatchcase(name, k)), None)
+    if target is None and not isinstance(t, _DeferredTensor):
+        return t
+    with torch.no_grad():
+        value = materialize_dtensor(t, *target) if target is not None else _materialize_tensor(t)
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(value, requires_grad=t.requires_grad)
+    return value

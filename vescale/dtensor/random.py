@@ -1,0 +1,369 @@
+"""Single-device-equivalent random numbers for sharded tensors.
+
+A random op on a sharded tensor (a deferred parameter being materialized, ``nn.init.*`` or
+dropout on a ``DTensor``) gives every rank exactly the values the same op gives on one device
+under the same seed, at this rank's global indices, and leaves the generator in the state the
+single-device op leaves it in, so later random ops agree too. All ranks must start from the
+same generator state (``torch.manual_seed(s)`` everywhere). No communication is involved.
+
+How the stream is partitioned (CPU, the ``mt19937`` generator, torch 2.13 kernels):
+
+* ``uniform_`` (hence ``rand``, ``kaiming_uniform_``, ``xavier_uniform_``, ``trunc_normal_``)
+  and ``bernoulli_(p)`` (hence CPU dropout) draw a fixed number of 32-bit words per element, in
+  storage order (uniform: 1, 2 for float64; bernoulli: 2). Element ``i`` depends only on its
+  own words, so the values of any range of elements come from running the same op on a
+  buffer of that range's size once the generator is positioned at its first word.
+* ``normal_`` on a contiguous float32/float64 tensor of ``n >= 16`` elements (hence ``randn``,
+  ``nn.init.normal_``, embeddings) first draws ``n`` uniforms, turns each block of 16 into 16
+  normals (Box-Muller pairs ``j``, ``j + 8``), and, when ``16`` does not divide ``n``, draws 16
+  more uniforms whose normals overwrite the last 16 elements. So it is reproduced block-wise:
+  ``normal_`` on buffers of whole blocks, the uniforms of the final partial block skipped, and
+  the at most 16 trailing elements fixed from the 16 extra words at the end.
+
+The global tensor is walked once, in storage order, in pieces of at most
+:data:`PIECE_ELEMENTS` elements; each piece is generated, the elements this rank holds are
+copied into its shard, and the piece is dropped. Time is that of generating the full tensor
+on one device; **extra memory is bounded** by two pieces (the piece and the selected part of
+it), plus one int64 per shard row of the leading dims walked and the per-dim index sets.
+
+Anything else (half/bfloat16 ``normal_``, tensors under 16 elements, non-contiguous global
+layouts, ``bernoulli_`` on Intel CPUs where torch uses MKL's stream, other random ops, CUDA
+generators whose Philox consumption depends on the launch configuration) is generated in
+full for that one tensor and sliced: exact by construction, with extra memory bounded by the
+size of that single tensor, released before the next one.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vescale.dtensor.dispatch import bypass_dispatch
+from vescale.dtensor.placement_types import Placement, Shard
+
+__all__ = [
+    "PIECE_ELEMENTS",
+    "RandomOp",
+    "local_indices",
+    "random_op_of",
+    "run_random",
+    "take_local",
+]
+
+PIECE_ELEMENTS = 1 << 18
+"""Elements generated at a time when a sharded random op walks the global stream."""
+
+aten = torch.ops.aten
+_UNIFORM, _NORMAL, _BERNOULLI = aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float
+RANDOM_OPS = (_UNIFORM, _NORMAL, _BERNOULLI)
+
+Indices = tuple[torch.Tensor, ...]
+
+
+# ---- which global indices a rank holds -------------------------------------------------
+
+
+def _chunk_sizes(total: int, n: int) -> list[int]:
+    step = -(-total // n) if total else 0
+    return [max(0, min(step, total - k * step)) for k in range(n)]
+
+
+def local_indices(
+    shape: Sequence[int],
+    mesh: Any,
+    placements: Sequence[Placement],
+    coordinate: Sequence[int] | None = None,
+) -> Indices:
+    """Per tensor dim, the sorted global indices this rank's shard holds (row-major order).
+
+    Mesh dims are applied in order: ``Shard(d)`` keeps ``torch.chunk`` chunk ``c`` of the
+    indices left on dim ``d`` (uneven sizes included); a placement with
+    ``interleaved_size = k`` (``InterleavedShard``) views them as ``(k, N // k)`` and keeps
+    chunk ``c`` of the second factor. ``Replicate``/``Partial`` keep everything.
+    """
+    coord = list(coordinate) if coordinate is not None else mesh.get_coordinate()
+    if coord is None:
+        raise ValueError(f"local_indices: this rank is not part of {mesh}")
+    idx = [torch.arange(s) for s in shape]
+    for mesh_dim, p in enumerate(placements):
+        if not isinstance(p, Shard):
+            continue
+        n, c, cur = mesh.size(mesh_dim), coord[mesh_dim], idx[p.dim]
+        k = getattr(p, "interleaved_size", None)
+        if k is not None:
+            groups = cur.view(k, -1)
+            sizes = _chunk_sizes(groups.shape[1], n)
+            start = sum(sizes[:c])
+            idx[p.dim] = groups[:, start : start + sizes[c]].flatten()
+        else:
+            sizes = _chunk_sizes(cur.numel(), n)
+            start = sum(sizes[:c])
+            idx[p.dim] = cur[start : start + sizes[c]]
+    return tuple(idx)
+
+
+def _selector(indices: Indices, shape: Sequence[int], first: int = 0) -> tuple[Any, ...]:
+    """An index for ``t[...]`` (dims ``first`` on) picking the product of ``indices``."""
+    sel: list[Any] = []
+    n = len(indices) - first
+    for j, (ix, size) in enumerate(zip(indices[first:], shape[first:])):
+        if ix.numel() == size:
+            sel.append(slice(None))
+        else:
+            view = [1] * n
+            view[j] = -1
+            sel.append(ix.view(view))
+    if all(isinstance(s, slice) for s in sel):
+        return tuple(sel)
+    # advanced indices broadcast together; full dims become aranges so the result keeps order
+    return tuple(
+        torch.arange(size).view([-1 if i == j else 1 for i in range(n)])
+        if isinstance(s, slice)
+        else s
+        for j, (s, size) in enumerate(zip(sel, shape[first:]))
+    )
+
+
+def take_local(full: torch.Tensor, indices: Indices) -> torch.Tensor:
+    """The shard of ``full`` at ``indices`` as a new contiguous tensor."""
+    return full[_selector(indices, full.shape)].contiguous()
+
+
+# ---- random ops ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RandomOp:
+    """An in-place random op: ``op(tensor, *args, generator=generator)``."""
+
+    op: torch._ops.OpOverload
+    args: tuple[Any, ...]
+    generator: torch.Generator | None = None
+
+    def apply(self, t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return self.op(t, *self.args, generator=generator)  # type: ignore[no-any-return]
+
+
+def random_op_of(
+    op: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]
+) -> RandomOp:
+    """The :class:`RandomOp` of an in-place aten random call ``op(self, *args, **kwargs)``."""
+    kw = dict(kwargs)
+    gen = kw.pop("generator", None)
+    rest = list(args[1:])
+    for a in op._schema.arguments[1 + len(rest) :]:
+        if a.kwarg_only:
+            continue
+        rest.append(kw.pop(a.name) if a.name in kw else a.default_value)
+    if kw:
+        raise TypeError(f"{op}: unexpected arguments {sorted(kw)}")
+    return RandomOp(op, tuple(rest), gen)
+
+
+def default_generator(device: torch.device) -> torch.Generator:
+    """The generator an op on ``device`` uses when given none."""
+    if device.type == "cpu":
+        return torch.default_generator
+    mod = torch.get_device_module(device.type)
+    index = device.index if device.index is not None else mod.current_device()
+    return mod.default_generators[index]  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _bernoulli_is_elementwise() -> bool:
+    """Whether CPU ``bernoulli_(p)`` draws 2 words per element (torch's own kernel; on Intel
+    CPUs with MKL it seeds an MKL stream from one word instead)."""
+    g = torch.Generator().manual_seed(0)
+    torch.empty(3).bernoulli_(0.5, generator=g)
+    h = torch.Generator().manual_seed(0)
+    torch.empty(6).uniform_(generator=h)
+    return torch.equal(g.get_state(), h.get_state())
+
+
+class _Stream:
+    """Values of one random op over a tensor's elements in storage order, piece by piece."""
+
+    def __init__(self, rop: RandomOp, numel: int, dtype: torch.dtype, gen: torch.Generator):
+        self.rop, self.numel, self.dtype, self.gen = rop, numel, dtype, gen
+
+    def take(self, n: int) -> torch.Tensor:
+        """The next ``n`` values (``n <= PIECE_ELEMENTS`` keeps the memory bound)."""
+        return self.rop.apply(torch.empty(n, dtype=self.dtype), self.gen)
+
+    def finish(self) -> torch.Tensor | None:
+        """Values replacing the last ones (consumes their words), if the op has any."""
+        return None
+
+
+class _NormalStream(_Stream):
+    """``normal_``'s block-of-16 Box-Muller layout (see the module docstring)."""
+
+    def __init__(self, rop: RandomOp, numel: int, dtype: torch.dtype, gen: torch.Generator):
+        super().__init__(rop, numel, dtype, gen)
+        self.blocks_left = numel // 16
+        self.partial_left = numel % 16
+        self.buf = torch.empty(0, dtype=dtype)
+
+    def take(self, n: int) -> torch.Tensor:
+        out = torch.empty(n, dtype=self.dtype)
+        done = min(n, self.buf.numel())
+        out[:done] = self.buf[:done]
+        self.buf = self.buf[done:]
+        while done < n:
+            if self.blocks_left:
+                m = min(self.blocks_left, -(-(n - done) // 16), max(1, PIECE_ELEMENTS // 16))
+                vals = self.rop.apply(torch.empty(16 * m, dtype=self.dtype), self.gen)
+                self.blocks_left -= m
+                k = min(16 * m, n - done)
+                out[done : done + k] = vals[:k]
+                self.buf = vals[k:].clone()
+                done += k
+            else:  # the partial last block: words consumed, values replaced in finish()
+                k = min(n - done, self.partial_left)
+                torch.empty(k, dtype=self.dtype).uniform_(generator=self.gen)
+                self.partial_left -= k
+                done += k
+        return out
+
+    def finish(self) -> torch.Tensor | None:
+        if self.numel % 16 == 0:
+            return None
+        return self.rop.apply(torch.empty(16, dtype=self.dtype), self.gen)
+
+
+def _stream(
+    rop: RandomOp,
+    shape: Sequence[int],
+    stride: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    gen: torch.Generator,
+) -> _Stream | None:
+    """A piecewise producer exactly reproducing ``rop`` on the whole tensor, if there is one."""
+    numel = math.prod(shape)
+    contiguous = tuple(stride) == _contiguous_stride(shape)
+    if device.type != "cpu" or gen.device.type != "cpu" or not contiguous or numel == 0:
+        return None
+    if rop.op is _UNIFORM and dtype.is_floating_point:
+        return _Stream(rop, numel, dtype, gen)
+    if rop.op is _BERNOULLI and _bernoulli_is_elementwise():
+        return _Stream(rop, numel, dtype, gen)
+    if rop.op is _NORMAL and dtype in (torch.float32, torch.float64) and numel >= 16:
+        return _NormalStream(rop, numel, dtype, gen)
+    return None
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(stride))
+
+
+def run_random(
+    rop: RandomOp,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    indices: Indices | None,
+    *,
+    stride: Sequence[int] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Run ``rop`` on a virtual tensor of ``shape``: return the values at ``indices`` (into
+    ``out`` when given, else a new tensor; ``None`` when ``indices`` is ``None``) and advance
+    the generator exactly as the op on the whole tensor does."""
+    gen = rop.generator or default_generator(torch.device(device))
+    stride = tuple(stride) if stride is not None else _contiguous_stride(shape)
+    stream = _stream(rop, shape, stride, dtype, torch.device(device), gen)
+    if stream is None:  # bounded fallback: this one tensor in full
+        full = rop.apply(torch.empty_strided(shape, stride, dtype=dtype, device=device), gen)
+        if indices is None:
+            return None
+        local = take_local(full, indices)
+        if out is None:
+            return local
+        return out.copy_(local)
+    if indices is None:
+        left = stream.numel
+        while left:
+            left -= stream.take(min(left, PIECE_ELEMENTS)).numel()
+        stream.finish()
+        return None
+    indices = tuple(ix.contiguous() for ix in indices)
+    if out is None:
+        out = torch.empty([ix.numel() for ix in indices], dtype=dtype)
+    _scatter(stream, list(shape), indices, out)
+    return out
+
+
+def _scatter(stream: _Stream, shape: list[int], indices: Indices, out: torch.Tensor) -> None:
+    """Walk ``stream`` over the whole tensor, copying the values at ``indices`` into ``out``."""
+    ndim = len(shape)
+    lead_dims = next(k for k in range(ndim + 1) if math.prod(shape[k:]) <= PIECE_ELEMENTS)
+    block = math.prod(shape[lead_dims:])
+    n_lead = math.prod(shape[:lead_dims])
+    wanted = torch.zeros(1, dtype=torch.int64)  # flat leading indices this rank holds, sorted
+    for d in range(lead_dims):
+        wanted = (wanted.view(-1, 1) * shape[d] + indices[d].view(1, -1)).flatten()
+    trailing = _selector(indices, shape, lead_dims)
+    dst = out.view(wanted.numel(), *out.shape[lead_dims:]) if out.numel() else out
+    rows = max(1, PIECE_ELEMENTS // max(block, 1))
+    pos = 0
+    for r0 in range(0, n_lead, rows):
+        r1 = min(n_lead, r0 + rows)
+        vals = stream.take((r1 - r0) * block).view(r1 - r0, *shape[lead_dims:])
+        end = int(torch.searchsorted(wanted, r1)) if out.numel() else 0
+        if end > pos:
+            dst[pos:end] = vals[wanted[pos:end] - r0][(slice(None), *trailing)]
+        pos = end
+    tail = stream.finish()
+    if tail is None or out.numel() == 0:
+        return
+    numel = math.prod(shape)
+    lin = torch.arange(numel - tail.numel(), numel)
+    where: list[torch.Tensor] = []
+    keep = torch.ones_like(lin, dtype=torch.bool)
+    for d in reversed(range(ndim)):
+        coord = lin % shape[d]
+        lin = lin // shape[d]
+        at = torch.searchsorted(indices[d], coord).clamp(max=max(indices[d].numel() - 1, 0))
+        keep &= indices[d][at] == coord if indices[d].numel() else torch.zeros_like(keep)
+        where.insert(0, at)
+    out[tuple(w[keep] for w in where)] = tail[keep]
+
+
+# ---- DTensor random ops ----------------------------------------------------------------
+
+
+def _dtensor_random(
+    op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``op`` on a DTensor: each rank fills its shard with the single-device values."""
+    dt = args[0]
+    spec = dt._spec
+    mesh = spec.mesh
+    if not mesh._is_current_rank_part_of_mesh():
+        return dt
+    if any(p.is_partial() for p in spec.placements):
+        raise ValueError(
+            f"{op}: random fill of a Partial DTensor {tuple(spec.placements)} is ambiguous; "
+            f"redistribute it to Replicate or Shard first"
+        )
+    local = dt._local_tensor
+    indices = local_indices(spec.shape, mesh, spec.placements)
+    rop = random_op_of(op, args, kwargs)
+    values = run_random(rop, spec.shape, local.dtype, local.device, indices, stride=spec.stride)
+    assert values is not None
+    local.copy_(values.view(local.shape))
+    return dt
+
+
+for _op in RANDOM_OPS:
+    bypass_dispatch(_op)(_dtensor_random)
