@@ -7,6 +7,7 @@ from vescale import backend as _backend
 from vescale.dtensor import (
     DeviceMesh,
     DTensor,
+    InterleavedShard,
     Partial,
     Placement,
     Replicate,
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DTensor",
     "DeviceMesh",
+    "InterleavedShard",
     "Partial",
     "Placement",
     "Replicate",

@@ -16,6 +16,7 @@ OWNERS = {
     "OpDispatcher": compat.OpDispatcher,
     "ExplicitRedistributionContext": compat.ExplicitRedistributionContext,
     "ShardingPropagator": type(DTensor._op_dispatcher.sharding_propagator),
+    "_mesh_resources": compat._mesh_resources,
 }
 
 
@@ -46,3 +47,14 @@ def test_inductor_pieces_import():
     compile_fx_inner, select_decomp_table, partition = compat.inductor_pieces()
     assert callable(compile_fx_inner) and callable(partition)
     assert torch.ops.aten.t.default in select_decomp_table()  # why Inductor needs its decomps
+
+
+def test_strided_shard_is_the_interleaved_layout():
+    """InterleavedShard(dim, k) rides on _StridedShard(dim, split_factor=k): same rows, not a Shard."""
+    strided = compat.StridedShard(0, split_factor=4)
+    assert strided.dim == 0 and strided.split_factor == 4 and not strided.is_shard()
+    shards, _ = strided._split_tensor(torch.arange(16), 2, with_padding=False)
+    assert [s.tolist() for s in shards] == [
+        [0, 1, 4, 5, 8, 9, 12, 13],
+        [2, 3, 6, 7, 10, 11, 14, 15],
+    ]

@@ -9,11 +9,18 @@ from vescale.dtensor.api import (
 )
 from vescale.dtensor.device_mesh import DeviceMesh, init_device_mesh
 from vescale.dtensor.dtensor import DTensor
-from vescale.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from vescale.dtensor.placement_types import (
+    InterleavedShard,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+)
 
 __all__ = [
     "DTensor",
     "DeviceMesh",
+    "InterleavedShard",
     "Partial",
     "Placement",
     "Replicate",

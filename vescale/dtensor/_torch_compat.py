@@ -35,6 +35,7 @@ from torch.distributed.tensor._utils import (
     compute_global_tensor_info,
     compute_local_shape_and_global_offset,
 )
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "OpSchema",
     "OpStrategy",
     "OutputSharding",
+    "StridedShard",
     "TensorMeta",
     "_mesh_resources",
     "aot_autograd",

@@ -35,8 +35,11 @@ from vescale.dtensor.placement_types import (
     Placement,
     Replicate,
     Shard,
+    check_interleaved,
     make_spec,
     normalize_placements,
+    spec_placements,
+    user_placements,
 )
 from vescale.dtensor.redistribute import (
     redistribute_local_tensor,
@@ -157,7 +160,7 @@ class _FromLocal(torch.autograd.Function):
             return None, None, None, None
         target = ctx.grad_placements or _grad_placements(ctx.spec.placements)
         local = grad._local_tensor
-        if tuple(grad.placements) != tuple(target):
+        if tuple(grad._spec.placements) != tuple(target):
             dst = DTensorSpec(grad._spec.mesh, tuple(target), tensor_meta=grad._spec.tensor_meta)
             local = redistribute_local_tensor(local, grad._spec, dst)
         return wait_local(local), None, None, None
@@ -231,8 +234,11 @@ def distribute_tensor(
         )
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"distribute_tensor: expected a torch.Tensor, got {type(tensor).__name__}")
-    pl = normalize_placements(placements, mesh, tensor.ndim, what="distribute_tensor")
-    upstream_pl = _grad_placements(pl)  # Partial dims: first replicate, then partition locally
+    pl = normalize_placements(
+        placements, mesh, tensor.ndim, what="distribute_tensor", shape=tensor.shape
+    )
+    # Partial dims: first replicate, then partition locally
+    upstream_pl = spec_placements(_grad_placements(pl))
     src = tensor.detach()
     if any(not p.is_shard() and mesh.size(i) > 1 for i, p in enumerate(upstream_pl)):
         src = src.clone()  # upstream broadcasts into its input on non-source ranks
@@ -282,7 +288,9 @@ def from_local(
     mesh = _mesh(device_mesh, "from_local")
     pl = normalize_placements(placements, mesh, local_tensor.ndim, what="from_local")
     gp = (
-        normalize_placements(grad_placements, mesh, local_tensor.ndim, what="from_local")
+        spec_placements(
+            normalize_placements(grad_placements, mesh, local_tensor.ndim, what="from_local")
+        )
         if grad_placements is not None
         else None
     )
@@ -302,6 +310,7 @@ def from_local(
     else:
         s, st = compute_global_tensor_info(local_tensor, mesh, pl)
         gshape, gstride = torch.Size(s), tuple(st)
+    check_interleaved(gshape, mesh, pl, what="from_local")
     spec = make_spec(mesh, pl, gshape, gstride, local_tensor.dtype)
     if not tracing and mesh.get_coordinate() is not None:
         expected = _local_shape(spec)
@@ -356,8 +365,10 @@ def redistribute_dtensor(
         raise ValueError(
             f"redistribute: cannot move a DTensor from {dtensor.device_mesh} to another mesh {mesh}"
         )
-    pl = normalize_placements(placements, mesh, dtensor.ndim, what="redistribute")
-    return _Redistribute.apply(dtensor, pl, async_op)  # type: ignore[no-any-return]
+    pl = normalize_placements(
+        placements, mesh, dtensor.ndim, what="redistribute", shape=dtensor.shape
+    )
+    return _Redistribute.apply(dtensor, spec_placements(pl), async_op)  # type: ignore[no-any-return]
 
 
 def full_tensor(
@@ -370,5 +381,11 @@ def full_tensor(
     return to_local(replicated, grad_placements=grad_placements, async_output=False)
 
 
+def _placements(self: _UpstreamDTensor) -> tuple[Placement, ...]:
+    """The placements as users see them (``InterleavedShard`` where the spec has its layout)."""
+    return user_placements(self._spec)
+
+
+DTensor.placements = property(_placements)  # type: ignore[assignment,method-assign]
 torch._dynamo.allow_in_graph(from_local)  # like upstream DTensor.from_local: one graph call
 DTensor.from_local = staticmethod(from_local)  # type: ignore[assignment,method-assign]

@@ -1,7 +1,11 @@
-"""Placements: upstream ``Shard`` and ``Replicate``, a ``Partial`` that accepts ``ReduceOp``.
+"""Placements: upstream ``Shard`` and ``Replicate``, a ``Partial`` that accepts ``ReduceOp``,
+and ``InterleavedShard``.
 
 One vocabulary: ``Shard`` and ``Replicate`` *are* upstream's classes, and every upstream
 ``Partial`` (e.g. produced by an op strategy) is an instance of ``vescale.Partial``.
+``InterleavedShard(dim, k)`` is what users see; a ``DTensorSpec`` carries the same layout as
+upstream's ``_StridedShard(dim, split_factor=k)`` (:func:`spec_placements`), so upstream's
+strategies and redistribution planner handle it (:func:`user_placements` maps back).
 """
 
 from __future__ import annotations
@@ -14,16 +18,26 @@ import torch.distributed as dist
 from torch.distributed.tensor.placement_types import Partial as _UpstreamPartial
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from vescale.dtensor._torch_compat import DTensorSpec, MemberType, TensorMeta, register_opaque_type
+from vescale.dtensor._torch_compat import (
+    DTensorSpec,
+    MemberType,
+    StridedShard,
+    TensorMeta,
+    register_opaque_type,
+)
 
 __all__ = [
     "DTensorSpec",
+    "InterleavedShard",
     "Partial",
     "Placement",
     "Replicate",
     "Shard",
     "TensorMeta",
+    "check_interleaved",
     "normalize_placements",
+    "spec_placements",
+    "user_placements",
 ]
 
 _REDUCE_OP_NAMES: dict[Any, str] = {
@@ -83,17 +97,146 @@ register_opaque_type(
 )
 
 
+class InterleavedShard(Shard):
+    """``Shard`` of tensor dim ``dim`` viewed as ``(interleaved_size, N // interleaved_size)``,
+    sharding the second factor: every rank holds its slice of each of the ``interleaved_size``
+    groups (``InterleavedShard(0, 3)`` on a merged ``[3*H, D]`` QKV weight gives each rank its
+    rows of Q, K and V). Mesh dims apply in order, like ``Shard``. Needs ``N % k == 0`` and
+    ``(N // k) % mesh_size == 0``. Never equal to ``Shard(dim)``.
+    """
+
+    interleaved_size: int
+
+    def __init__(self, dim: int, interleaved_size: int) -> None:
+        if isinstance(interleaved_size, bool) or not isinstance(interleaved_size, int):
+            raise TypeError(
+                f"InterleavedShard: interleaved_size must be an int, got {interleaved_size!r}"
+            )
+        if interleaved_size < 1:
+            raise ValueError(
+                f"InterleavedShard: interleaved_size must be >= 1, got {interleaved_size}"
+            )
+        super().__init__(dim)
+        self.interleaved_size = interleaved_size
+
+    def is_interleaved_shard(self, dim: int | None = None) -> bool:
+        """True (for ``dim`` None or this placement's dim)."""
+        return dim is None or dim == self.dim
+
+    def to_strided(self) -> StridedShard:
+        """The same layout as upstream's ``_StridedShard``."""
+        return StridedShard(self.dim, split_factor=self.interleaved_size)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, InterleavedShard)
+            and self.dim == other.dim
+            and self.interleaved_size == other.interleaved_size
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.dim, self.interleaved_size))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (InterleavedShard, (self.dim, self.interleaved_size))
+
+    def __repr__(self) -> str:
+        return f"InterleavedShard(dim={self.dim}, interleaved_size={self.interleaved_size})"
+
+    def __str__(self) -> str:
+        return f"IS({self.dim}, {self.interleaved_size})"
+
+    def __fx_repr__(self) -> tuple[str, dict[str, Any]]:
+        return repr(self), {"InterleavedShard": InterleavedShard}
+
+
+register_opaque_type(
+    InterleavedShard,
+    typ="value",
+    members={
+        "is_shard": MemberType.USE_REAL,
+        "is_partial": MemberType.USE_REAL,
+        "is_replicate": MemberType.USE_REAL,
+        "is_interleaved_shard": MemberType.USE_REAL,
+        "__eq__": MemberType.USE_REAL,
+        "dim": MemberType.USE_REAL,
+        "interleaved_size": MemberType.USE_REAL,
+    },
+)
+
+
+def spec_placements(placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    """``placements`` as a ``DTensorSpec`` carries them: ``InterleavedShard`` -> ``_StridedShard``."""
+    return tuple(p.to_strided() if isinstance(p, InterleavedShard) else p for p in placements)
+
+
+def _interleaved_sizes(
+    shape: Sequence[int], mesh_sizes: Sequence[int], placements: Sequence[Placement]
+) -> list[int | None]:
+    """Per mesh dim, the size of the sharded tensor dim as that mesh dim sees it (after the
+    earlier mesh dims' even shards); None where unknown (not a shard, or an uneven one before)."""
+    sizes: list[int | None] = [int(s) for s in shape]
+    out: list[int | None] = []
+    for n, p in zip(mesh_sizes, placements):
+        if not isinstance(p, Shard | StridedShard):
+            out.append(None)
+            continue
+        size = sizes[p.dim]
+        out.append(size)
+        sizes[p.dim] = size // n if size is not None and size % n == 0 else None
+    return out
+
+
+def _interleave_divides(size: int | None, k: int, n: int) -> bool:
+    return size is not None and size % k == 0 and (size // k) % n == 0
+
+
+def user_placements(spec: DTensorSpec) -> tuple[Placement, ...]:
+    """``spec.placements`` as users see them: ``_StridedShard`` -> ``InterleavedShard`` where
+    the sizes divide (the two layouts are then the same data)."""
+    placements = spec.placements
+    if not any(type(p) is StridedShard for p in placements):
+        return placements
+    mesh_sizes = spec.mesh.shape
+    sizes = _interleaved_sizes(spec.shape, mesh_sizes, placements)
+    return tuple(
+        InterleavedShard(p.dim, int(p.split_factor))
+        if type(p) is StridedShard and _interleave_divides(size, int(p.split_factor), n)
+        else p
+        for p, size, n in zip(placements, sizes, mesh_sizes)
+    )
+
+
+def check_interleaved(
+    shape: Sequence[int], mesh: Any, placements: Sequence[Placement], *, what: str
+) -> None:
+    """Raise ``ValueError`` naming dim, size, interleaved_size and mesh size where an
+    ``InterleavedShard`` does not divide the tensor dim it shards."""
+    mesh_sizes = [mesh.size(i) for i in range(len(placements))]
+    sizes = _interleaved_sizes(shape, mesh_sizes, placements)
+    for i, (p, size, n) in enumerate(zip(placements, sizes, mesh_sizes)):
+        if isinstance(p, InterleavedShard) and not _interleave_divides(size, p.interleaved_size, n):
+            raise ValueError(
+                f"{what}: {p!r} on mesh dim {i} needs tensor dim {p.dim} (size {size} there) "
+                f"divisible by interleaved_size {p.interleaved_size} and size // "
+                f"interleaved_size divisible by the mesh size {n} (placements "
+                f"{tuple(placements)!r}, global shape {tuple(shape)}, mesh {mesh})"
+            )
+
+
 def normalize_placements(
     placements: Sequence[Placement] | None,
     mesh: Any,
     tensor_ndim: int,
     *,
     what: str,
+    shape: Sequence[int] | None = None,
 ) -> tuple[Placement, ...]:
     """Validate ``placements`` for a tensor of ``tensor_ndim`` dims on ``mesh``.
 
     ``None`` means Replicate everywhere; a shorter list is padded with Replicate; negative
-    shard dims are made positive. Raises ``TypeError``/``ValueError`` naming ``what``
+    shard dims are made positive. With ``shape``, ``InterleavedShard`` sizes are checked
+    (:func:`check_interleaved`). Raises ``TypeError``/``ValueError`` naming ``what``
     (the API or op), the placements and the mesh.
     """
     if placements is None:
@@ -115,7 +258,11 @@ def normalize_placements(
                     f"tensor (placements {tuple(placements)!r}, mesh {mesh})"
                 )
             if dim != p.dim:
-                p = Shard(dim)
+                p = (
+                    InterleavedShard(dim, p.interleaved_size)
+                    if isinstance(p, InterleavedShard)
+                    else Shard(dim)
+                )
         out.append(p)
     if len(out) > mesh.ndim:
         raise ValueError(
@@ -128,6 +275,8 @@ def normalize_placements(
             f"{what}: mixed Partial reduce ops {sorted(partial_ops)} in {tuple(out)!r} are "
             f"not supported"
         )
+    if shape is not None:
+        check_interleaved(shape, mesh, out, what=what)
     return tuple(out)
 
 
@@ -138,9 +287,9 @@ def make_spec(
     stride: Sequence[int],
     dtype: torch.dtype,
 ) -> DTensorSpec:
-    """A ``DTensorSpec`` with tensor meta."""
+    """A ``DTensorSpec`` with tensor meta (placements as specs carry them)."""
     return DTensorSpec(
         mesh,
-        tuple(placements),
+        spec_placements(placements),
         tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dtype),
     )

@@ -1,10 +1,15 @@
-"""Redistribution beyond upstream's planner: any placement -> ``Partial``.
+"""Redistribution beyond upstream's planner: any placement -> ``Partial``, and
+``InterleavedShard`` (``_StridedShard`` in specs) on meshes of more than one dim.
 
 Upstream moves between Shard / Replicate / Partial -> (Shard | Replicate) with uneven
-shards. We add every step that *targets* a Partial: the tensor is first brought to
-Replicate on that mesh dim (upstream), then partitioned locally with no communication:
-``sum`` keeps the value on coordinate 0 and zeros elsewhere (exact for integers),
-``product`` ones elsewhere, ``avg``/``max``/``min`` keep the value on every coordinate.
+shards, and between those and ``_StridedShard`` on a 1-D mesh. We add every step that
+*targets* a Partial: the tensor is first brought to Replicate on that mesh dim (upstream),
+then partitioned locally with no communication: ``sum`` keeps the value on coordinate 0 and
+zeros elsewhere (exact for integers), ``product`` ones elsewhere, ``avg``/``max``/``min``
+keep the value on every coordinate. A ``_StridedShard`` on a multi-dim mesh goes one mesh
+dim at a time (upstream's multi-dim planner mis-orders those): from the first mesh dim that
+changes, every later one is brought to Replicate innermost first, then laid out as the target
+outermost first, each step a one-mesh-dim redistribution of the tensor as that mesh dim sees it.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ import torch
 from vescale.dtensor._torch_compat import (
     AsyncCollectiveTensor,
     DTensorSpec,
+    StridedShard,
+    TensorMeta,
+    compute_local_shape_and_global_offset,
     maybe_run_for_local_tensor,
     upstream_redistribute_local_tensor,
 )
@@ -53,6 +61,16 @@ def redistribute_local_tensor(
         raise ValueError(f"redistribute: cannot move between meshes {src.mesh} and {dst.mesh}")
     if src.placements == dst.placements:
         return local
+    if _has_strided(src, dst) and src.mesh.ndim > 1:
+        return _by_mesh_dim(local, src, dst, async_op)
+    return _direct(local, src, dst, async_op)
+
+
+def _direct(
+    local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, async_op: bool
+) -> torch.Tensor:
+    """Upstream's planner to Replicate on the mesh dims that target a Partial, then the local
+    partition."""
     mid: tuple[Placement, ...] = tuple(
         Replicate() if d.is_partial() and s != d else d
         for s, d in zip(src.placements, dst.placements)
@@ -67,3 +85,48 @@ def redistribute_local_tensor(
             assert isinstance(d, Partial)
             local = replicate_to_partial(local, d.reduce_op, src.mesh._sym_get_coordinate(mesh_dim))
     return local
+
+
+def _has_strided(src: DTensorSpec, dst: DTensorSpec) -> bool:
+    return any(isinstance(p, StridedShard) for p in (*src.placements, *dst.placements))
+
+
+def _by_mesh_dim(
+    local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, async_op: bool
+) -> torch.Tensor:
+    """``src -> dst`` one mesh dim at a time (see the module docstring)."""
+    first = next(m for m, (s, d) in enumerate(zip(src.placements, dst.placements)) if s != d)
+    cur = list(src.placements)
+    steps: list[tuple[int, Placement]] = [
+        (m, Replicate()) for m in reversed(range(first, src.mesh.ndim))
+    ]
+    steps += [(m, dst.placements[m]) for m in range(first, src.mesh.ndim)]
+    for m, target in steps:
+        if cur[m] != target:
+            local = _one_mesh_dim(local, src, cur, m, target, async_op)
+            cur[m] = target
+    return local
+
+
+def _one_mesh_dim(
+    local: torch.Tensor,
+    spec: DTensorSpec,
+    cur: list[Placement],
+    mesh_dim: int,
+    target: Placement,
+    async_op: bool,
+) -> torch.Tensor:
+    """Mesh dim ``mesh_dim`` of ``local`` from ``cur[mesh_dim]`` to ``target``, the tensor
+    taken as the shard the earlier mesh dims ``cur[:mesh_dim]`` leave on this rank."""
+    mesh, ndim = spec.mesh, spec.mesh.ndim
+    replicated: list[Placement] = [Replicate()] * ndim
+    outer = (*cur[:mesh_dim], *replicated[mesh_dim:])
+    shape, _ = compute_local_shape_and_global_offset(spec.shape, mesh, outer)
+    dtype = spec.tensor_meta.dtype  # type: ignore[union-attr]
+    meta = TensorMeta(torch.Size(shape), torch.empty(shape, device="meta").stride(), dtype)
+    only = replicated.copy()
+    only[mesh_dim] = cur[mesh_dim]
+    a = DTensorSpec(mesh, tuple(only), tensor_meta=meta)
+    only[mesh_dim] = target
+    b = DTensorSpec(mesh, tuple(only), tensor_meta=meta)
+    return _direct(local, a, b, async_op)

@@ -1,0 +1,188 @@
+"""InterleavedShard: placement semantics, exact local layouts of distribute_tensor/from_local,
+size errors, every redistribution pair on 1-D and 2-D meshes (forward and backward) against an
+independent reference, and the strategies a merged-QKV attention block needs."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import vescale
+import vescale.dtensor
+import vescale.dtensor.placement_types as placement_types
+from tests.dtensor.reference import coord_of, expected_local, mesh_of
+from vescale import InterleavedShard, Partial, Replicate, Shard
+
+
+def _interleaved_rows(n_rows: int, k: int, world: int, rank: int) -> list[int]:
+    """Rows rank ``rank`` holds: row block ``rank`` of each of the ``k`` groups."""
+    group, block = n_rows // k, n_rows // k // world
+    return [j * group + rank * block + i for j in range(k) for i in range(block)]
+
+
+def expected(full: torch.Tensor, mesh_shape, coord, placements) -> torch.Tensor:
+    """Local tensor of ``coord``: mesh dims applied in order; an InterleavedShard views its dim
+    as (k, N // k) and takes chunk ``c`` of the second factor."""
+    t = full
+    for n, c, p in zip(mesh_shape, coord, placements):
+        if isinstance(p, InterleavedShard):
+            k, size = p.interleaved_size, t.shape[p.dim]
+            groups = t.unflatten(p.dim, (k, size // k))
+            t = groups.chunk(n, dim=p.dim + 1)[c].flatten(p.dim, p.dim + 1)
+        else:
+            t = expected_local(t, (n,), (c,), (p,))
+    return t
+
+
+# ----------------------------------------------------------------------------- placement
+
+
+def test_placement_is_a_shard_with_its_own_identity():
+    p = InterleavedShard(0, 3)
+    assert isinstance(p, Shard) and p.is_shard() and p.is_shard(0) and not p.is_shard(1)
+    assert p.is_interleaved_shard() and not p.is_replicate() and not p.is_partial()
+    assert p != Shard(0) and Shard(0) != p and p != InterleavedShard(0, 2)
+    assert p != InterleavedShard(1, 3)
+    assert p == InterleavedShard(0, 3) and hash(p) == hash(InterleavedShard(0, 3))
+    table = {p: "qkv", Shard(0): "rows", Replicate(): "r"}
+    assert table[InterleavedShard(0, 3)] == "qkv" and table[Shard(0)] == "rows"
+    assert repr(p) == "InterleavedShard(dim=0, interleaved_size=3)" and str(p) == "IS(0, 3)"
+    for copied in (pickle.loads(pickle.dumps(p)), copy.deepcopy(p), copy.copy(p)):
+        assert copied == p and type(copied) is InterleavedShard
+
+
+def test_exported_everywhere():
+    assert vescale.InterleavedShard is InterleavedShard
+    assert vescale.dtensor.InterleavedShard is InterleavedShard
+    assert placement_types.InterleavedShard is InterleavedShard
+    assert "InterleavedShard" in vescale.__all__ and "InterleavedShard" in vescale.dtensor.__all__
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.0, True])
+def test_bad_interleaved_size(bad):
+    with pytest.raises((TypeError, ValueError), match="interleaved_size"):
+        InterleavedShard(0, bad)
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def _check_contract_layout():
+    rank = dist.get_rank()
+    x = torch.arange(16 * 3, dtype=torch.float64).view(16, 3)
+    d = vescale.distribute_tensor(x, mesh_of((2,)), [InterleavedShard(0, 4)])
+    rows = [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]][rank]  # API.md example
+    assert torch.equal(d.to_local(), x[rows]), d.to_local()
+    assert d.placements == (InterleavedShard(0, 4),) and d.shape == (16, 3)
+    assert torch.equal(d.full_tensor(), x)
+    # from_local: the same rows give the same DTensor
+    f = vescale.from_local(x[rows], mesh_of((2,)), [InterleavedShard(0, 4)])
+    assert f.shape == (16, 3) and f.placements == (InterleavedShard(0, 4),)
+    assert torch.equal(f.full_tensor(), x)
+    # a later dim too, and a negative dim normalised
+    d1 = vescale.distribute_tensor(x.t(), mesh_of((2,)), [InterleavedShard(-1, 4)])
+    assert d1.placements == (InterleavedShard(1, 4),)
+    assert torch.equal(d1.to_local(), x.t()[:, rows]) and torch.equal(d1.full_tensor(), x.t())
+
+
+def _check_layout_k3_4ranks():
+    rank = dist.get_rank()
+    x = torch.arange(24 * 2, dtype=torch.float64).view(24, 2)
+    rows = _interleaved_rows(24, 3, 4, rank)
+    assert rows == [r + 2 * rank for r in (0, 1, 8, 9, 16, 17)]
+    d = vescale.distribute_tensor(x, mesh_of((4,)), [InterleavedShard(0, 3)])
+    assert torch.equal(d.to_local(), x[rows]) and torch.equal(d.full_tensor(), x)
+    f = vescale.from_local(x[rows], mesh_of((4,)), [InterleavedShard(0, 3)])
+    assert f.shape == (24, 2) and torch.equal(f.full_tensor(), x)
+    # 2-D: mesh dims apply in order, like Shard
+    for placements in [
+        (InterleavedShard(0, 3), Shard(0)),
+        (Shard(0), InterleavedShard(0, 3)),
+        (InterleavedShard(0, 3), InterleavedShard(0, 2)),
+        (Shard(1), InterleavedShard(0, 3)),
+    ]:
+        d2 = vescale.distribute_tensor(x, mesh_of((2, 2)), placements)
+        want = expected(x, (2, 2), coord_of((2, 2)), placements)
+        assert torch.equal(d2.to_local(), want), placements
+        assert d2.placements == placements and torch.equal(d2.full_tensor(), x)
+        f2 = vescale.from_local(want, mesh_of((2, 2)), placements)
+        assert f2.shape == (24, 2) and torch.equal(f2.full_tensor(), x), placements
+
+
+def test_contract_layout_16_rows_k4_2_ranks(pool2):
+    pool2.run(_check_contract_layout)
+
+
+def test_layout_k3_4_ranks_and_2d(pool4):
+    pool4.run(_check_layout_k3_4ranks)
+
+
+def _check_bad_sizes():
+    mesh = mesh_of((4,))
+    names = ["dim 0", "size 12", "interleaved_size 2", "mesh size 4"]
+    with pytest.raises(ValueError) as err:  # 12 // 2 = 6 rows per group, not divisible by 4
+        vescale.distribute_tensor(torch.ones(12, 2), mesh, [InterleavedShard(0, 2)])
+    assert all(n in str(err.value) for n in names), err.value
+    with pytest.raises(ValueError, match=r"size 10.*interleaved_size 3.*mesh size 4"):
+        vescale.distribute_tensor(torch.ones(2, 10), mesh, [InterleavedShard(1, 3)])
+    with pytest.raises(ValueError, match=r"from_local.*dim 0.*size 12.*interleaved_size 2"):
+        vescale.from_local(torch.ones(3, 2), mesh, [InterleavedShard(0, 2)])  # 3 rows: not k-split
+    d = vescale.distribute_tensor(torch.ones(12, 2), mesh, [Shard(0)])
+    with pytest.raises(ValueError, match=r"redistribute.*size 12.*interleaved_size 2.*mesh size 4"):
+        d.redistribute(mesh, [InterleavedShard(0, 2)])
+    with pytest.raises(ValueError, match=r"mesh dim 1.*size 6.*interleaved_size 2.*mesh size 2"):
+        vescale.distribute_tensor(
+            torch.ones(12), mesh_of((2, 2)), [Shard(0), InterleavedShard(0, 2)]
+        )
+
+
+def test_bad_sizes_raise_value_error(pool4):
+    pool4.run(_check_bad_sizes)
+
+
+# ----------------------------------------------------------------------------- redistribute
+
+CANDIDATES = [Replicate(), Shard(0), Shard(1), Partial(), InterleavedShard(0, 3)]
+SHAPE = (24, 3)  # Shard(1) uneven on every mesh
+
+
+def _check_redistribute_pairs(mesh_shape, candidates):
+    mesh = mesh_of(mesh_shape)
+    coord = coord_of(mesh_shape)
+    x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    weights = torch.arange(1.0, x.numel() + 1, dtype=torch.float64).view(SHAPE)
+    layouts = list(itertools.product(candidates, repeat=len(mesh_shape)))
+    count = 0
+    for src, dst in itertools.product(layouts, repeat=2):
+        if not any(isinstance(p, InterleavedShard) for p in (*src, *dst)):
+            continue  # covered by test_conversions
+        d = vescale.distribute_tensor(x, mesh, src).requires_grad_(True)
+        with vescale.dtensor.explicit_redistribute(False):
+            out = d.redistribute(mesh, dst)
+        case = (mesh_shape, src, dst)
+        assert out.placements == dst, case
+        assert torch.equal(out.to_local(async_output=False), expected(x, mesh_shape, coord, dst)), (
+            case
+        )
+        (out.full_tensor() * weights).sum().backward()
+        grad_layout = tuple(Replicate() if p.is_partial() else p for p in src)
+        assert d.grad.placements == grad_layout, case
+        assert torch.equal(d.grad.full_tensor(), weights), case
+        count += 1
+    return count
+
+
+@pytest.mark.parametrize(
+    "world,mesh_shape", [(2, (2,)), (4, (4,)), (4, (2, 2))], ids=["1d-2", "1d-4", "2d-2x2"]
+)
+def test_redistribute_every_pair(world, mesh_shape, request):
+    pool = request.getfixturevalue(f"pool{world}")
+    candidates = CANDIDATES + ([InterleavedShard(0, 2)] if len(mesh_shape) == 1 else [])
+    n = pool.run(_check_redistribute_pairs, mesh_shape, candidates)[0]
+    plain = len(candidates) - sum(isinstance(p, InterleavedShard) for p in candidates)
+    assert n == len(candidates) ** (2 * len(mesh_shape)) - plain ** (2 * len(mesh_shape))
