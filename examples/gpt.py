@@ -108,6 +108,13 @@ def build(cfg: GPTConfig, seed: int = 0) -> GPT:
     return GPT(cfg)
 
 
+def build_deferred(cfg: GPTConfig, seed: int = 0) -> GPT:
+    """:func:`build` without allocating any weight (``vescale.deferred_init``):
+    :func:`parallelize` then materializes only each rank's shards, with :func:`build`'s values."""
+    torch.manual_seed(seed)
+    return vescale.deferred_init(GPT, cfg)
+
+
 def batch(cfg: GPTConfig, step: int, batch_size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and next-token targets of training step ``step`` (same on every rank)."""
     g = torch.Generator().manual_seed(1000 + step)
@@ -136,13 +143,20 @@ def _placements_of(name: str, plan: dict[str, tuple[Placement, ...]]) -> Sequenc
     return next((p for pat, p in plan.items() if fnmatch.fnmatchcase(name, pat)), ())
 
 
+def materialize_plan(
+    mesh: vescale.DeviceMesh,
+) -> dict[str, tuple[vescale.DeviceMesh, Sequence[Placement]]]:
+    """:data:`PLAN` on ``mesh`` as a ``vescale.materialize_module`` plan (the rest replicated)."""
+    plan = {pattern: (mesh, placements) for pattern, placements in PLAN.items()}
+    return {**plan, "*": (mesh, (Replicate(), Replicate()))}
+
+
 def parallelize(model: nn.Module, mesh: vescale.DeviceMesh) -> nn.Module:
     """Make ``model``'s parameters DTensors on ``mesh`` per :data:`PLAN` (in place) and add
-    the output redistributions of :data:`OUTPUTS` as forward hooks."""
-    for name, param in list(model.named_parameters()):
-        owner, _, leaf = name.rpartition(".")
-        dt = vescale.distribute_tensor(param.detach(), mesh, _placements_of(name, PLAN))
-        model.get_submodule(owner).register_parameter(leaf, nn.Parameter(dt))
+    the output redistributions of :data:`OUTPUTS` as forward hooks. Each rank computes its own
+    shards, without communication: from the deferred record of a :func:`build_deferred`
+    model, or by slicing the weights of a :func:`build` model (identical on every rank)."""
+    vescale.materialize_module(model, materialize_plan(mesh))
     for name, module in model.named_modules():
         out = _placements_of(name, OUTPUTS)
         if out:

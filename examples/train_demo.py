@@ -3,8 +3,10 @@
 
     torchrun --standalone --nproc-per-node 4 examples/train_demo.py [--steps N] [--dump-dir DIR]
 
-The model (``examples/gpt.py``) is plain PyTorch; ``gpt.parallelize`` lays it out Megatron-style
-over tp and ``vescale.ddp.DistributedDataParallel`` reduces gradients over dp. Each step prints
+The model (``examples/gpt.py``) is plain PyTorch, built with ``vescale.deferred_init`` (no
+weight allocated) for the distributed runs; ``gpt.parallelize`` materializes each rank's
+shards, Megatron-style over tp, with the single-device values, and
+``vescale.ddp.DistributedDataParallel`` reduces gradients over dp. Each step prints
 the compiled, eager and single-device losses; then the collectives of the compiled graphs
 (from ``collectives.json``), the compile time and where the dumps went. Exits 1 if any loss
 differs from single device by more than the tolerance.
@@ -78,7 +80,7 @@ def gpt_runs(
     mesh = vescale.init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
 
     def distributed() -> torch.nn.Module:
-        return DistributedDataParallel(gpt.parallelize(gpt.build(cfg), mesh))
+        return DistributedDataParallel(gpt.parallelize(gpt.build_deferred(cfg), mesh))
 
     def sharded(ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return gpt.shard_batch(mesh, ids, targets)

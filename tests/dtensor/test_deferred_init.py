@@ -191,3 +191,31 @@ def _check_interleaved():
 
 def test_interleaved_shard(pool4):
     pool4.run(_check_interleaved)
+
+
+def _check_demo_first_step():
+    import train_demo
+
+    from vescale.ddp import DistributedDataParallel
+
+    cfg = gpt.GPTConfig()
+    mesh = vescale.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = gpt.build_deferred(cfg)
+    assert is_deferred(model)
+    with count_collectives() as counts:
+        gpt.parallelize(model, mesh)
+    assert sum(counts.values()) == 0, counts
+    reference = gpt.build(cfg)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.full_tensor(), reference.get_parameter(name).detach()), name
+    sharded = train_demo.train(
+        DistributedDataParallel(model), cfg, 1, 0.5, lambda i, t: gpt.shard_batch(mesh, i, t)
+    )
+    single = train_demo.train(reference, cfg, 1, 0.5, lambda i, t: (i, t))
+    assert abs(sharded.losses[0] - single.losses[0]) <= 1e-6, (sharded.losses, single.losses)
+
+
+def test_demo_gpt_through_deferred_init(pool4):
+    """The demo's distributed model: deferred, materialized shard by shard, first-step loss
+    equal to single-device init."""
+    pool4.run(_check_demo_first_step)
