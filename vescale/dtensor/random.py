@@ -22,9 +22,11 @@ How the stream is partitioned (CPU, the ``mt19937`` generator, torch 2.13 kernel
 
 The global tensor is walked once, in storage order, in pieces of at most
 :data:`PIECE_ELEMENTS` elements; each piece is generated, the elements this rank holds are
-copied into its shard, and the piece is dropped. Time is that of generating the full tensor
-on one device; **extra memory is bounded** by two pieces (the piece and the selected part of
-it), plus one int64 per shard row of the leading dims walked and the per-dim index sets.
+copied into its shard, and the piece is overwritten by the next. Time is that of generating
+the full tensor on one device. **Extra memory is bounded** by two per-thread scratch buffers
+of ``PIECE_ELEMENTS + 16`` elements per dtype (1 MiB each for float32; kept between ops so
+per-op reallocation cannot fragment the heap), the selected part of one piece (at most a
+piece), one int64 per shard row of the leading dims walked, and the per-dim index sets.
 
 Anything else (half/bfloat16 ``normal_``, tensors under 16 elements, non-contiguous global
 layouts, ``bernoulli_`` on Intel CPUs where torch uses MKL's stream, other random ops, CUDA
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -185,15 +188,32 @@ def _bernoulli_is_elementwise() -> bool:
     return torch.equal(g.get_state(), h.get_state())
 
 
+_scratch_cache = threading.local()
+
+
+def _scratch(dtype: torch.dtype, slot: str) -> torch.Tensor:
+    """A per-thread buffer of ``PIECE_ELEMENTS + 16`` elements, kept between ops: freeing and
+    reallocating a piece per op lets small long-lived allocations fragment the heap."""
+    cache: dict[tuple[torch.dtype, str], torch.Tensor] = _scratch_cache.__dict__.setdefault(
+        "buffers", {}
+    )
+    buf = cache.get((dtype, slot))
+    if buf is None or buf.numel() != PIECE_ELEMENTS + 16:
+        buf = cache[(dtype, slot)] = torch.empty(PIECE_ELEMENTS + 16, dtype=dtype)
+    return buf
+
+
 class _Stream:
-    """Values of one random op over a tensor's elements in storage order, piece by piece."""
+    """Values of one random op over a tensor's elements in storage order, piece by piece,
+    generated into a reused scratch buffer of at most :data:`PIECE_ELEMENTS` elements."""
 
     def __init__(self, rop: RandomOp, numel: int, dtype: torch.dtype, gen: torch.Generator):
         self.rop, self.numel, self.dtype, self.gen = rop, numel, dtype, gen
+        self.scratch = _scratch(dtype, "values")
 
     def take(self, n: int) -> torch.Tensor:
-        """The next ``n`` values (``n <= PIECE_ELEMENTS`` keeps the memory bound)."""
-        return self.rop.apply(torch.empty(n, dtype=self.dtype), self.gen)
+        """The next ``n <= PIECE_ELEMENTS`` values (valid until the next call)."""
+        return self.rop.apply(self.scratch[:n], self.gen)
 
     def finish(self) -> torch.Tensor | None:
         """Values replacing the last ones (consumes their words), if the op has any."""
@@ -207,25 +227,26 @@ class _NormalStream(_Stream):
         super().__init__(rop, numel, dtype, gen)
         self.blocks_left = numel // 16
         self.partial_left = numel % 16
-        self.buf = torch.empty(0, dtype=dtype)
+        self.blocks = _scratch(dtype, "blocks")[: 16 * -(-min(numel, PIECE_ELEMENTS) // 16)]
+        self.left = self.blocks[:0]  # generated values not yet taken (< 16)
 
     def take(self, n: int) -> torch.Tensor:
-        out = torch.empty(n, dtype=self.dtype)
-        done = min(n, self.buf.numel())
-        out[:done] = self.buf[:done]
-        self.buf = self.buf[done:]
+        out = self.scratch[:n]
+        done = min(n, self.left.numel())
+        out[:done] = self.left[:done]
+        self.left = self.left[done:]
         while done < n:
             if self.blocks_left:
-                m = min(self.blocks_left, -(-(n - done) // 16), max(1, PIECE_ELEMENTS // 16))
-                vals = self.rop.apply(torch.empty(16 * m, dtype=self.dtype), self.gen)
+                m = min(self.blocks_left, -(-(n - done) // 16), self.blocks.numel() // 16)
+                vals = self.rop.apply(self.blocks[: 16 * m], self.gen)
                 self.blocks_left -= m
                 k = min(16 * m, n - done)
                 out[done : done + k] = vals[:k]
-                self.buf = vals[k:].clone()
+                self.left = vals[k:]
                 done += k
             else:  # the partial last block: words consumed, values replaced in finish()
                 k = min(n - done, self.partial_left)
-                torch.empty(k, dtype=self.dtype).uniform_(generator=self.gen)
+                self.blocks[:k].uniform_(generator=self.gen)
                 self.partial_left -= k
                 done += k
         return out
