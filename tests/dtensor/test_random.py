@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import vescale
 from tests.dtensor.reference import coord_of, expected_local, mesh_of
 from tests.harness.collectives import count_collectives
-from vescale import Replicate, Shard
+from vescale import InterleavedShard, Replicate, Shard
 from vescale.dtensor import random as vrandom
 
 aten = torch.ops.aten
@@ -129,3 +129,25 @@ def _check_inits(shape):
 @pytest.mark.parametrize("shape", [(8, 12), (5, 7), (3, 40)])  # even; uneven; empty shards
 def test_dtensor_random_ops_equal_single_device(pool4, shape):
     pool4.run(_check_inits, shape)
+
+
+def _check_interleaved_inits():
+    layouts = [
+        ((4,), [InterleavedShard(0, 3)]),
+        ((2, 2), [InterleavedShard(0, 3), Shard(1)]),
+        ((2, 2), [Replicate(), InterleavedShard(1, 2)]),
+    ]
+    x = torch.zeros(24, 8)  # a merged QKV weight: 3 groups of 8 rows
+    for (mesh_shape, placements), (name, init) in itertools.product(layouts, _inits().items()):
+        mesh = mesh_of(mesh_shape)
+        torch.manual_seed(4)
+        expected = init(x.clone() + 1)
+        d = vescale.distribute_tensor(x + 1, mesh, placements)
+        torch.manual_seed(4)
+        out = init(d)
+        want = vescale.distribute_tensor(expected, mesh, placements).to_local()
+        assert torch.equal(out.to_local(), want), (mesh_shape, placements, name)
+
+
+def test_dtensor_random_ops_on_interleaved_shards(pool4):
+    pool4.run(_check_interleaved_inits)

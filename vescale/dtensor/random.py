@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from vescale.dtensor._torch_compat import StridedShard
 from vescale.dtensor.dispatch import bypass_dispatch
 from vescale.dtensor.placement_types import Placement, Shard
 
@@ -86,7 +87,8 @@ def local_indices(
 
     Mesh dims are applied in order: ``Shard(d)`` keeps ``torch.chunk`` chunk ``c`` of the
     indices left on dim ``d`` (uneven sizes included); a placement with
-    ``interleaved_size = k`` (``InterleavedShard``) views them as ``(k, N // k)`` and keeps
+    ``interleaved_size = k`` (``InterleavedShard``, or upstream's ``_StridedShard`` with
+    ``split_factor = k``, its DTensorSpec form) views them as ``(k, N // k)`` and keeps
     chunk ``c`` of the second factor. ``Replicate``/``Partial`` keep everything.
     """
     coord = list(coordinate) if coordinate is not None else mesh.get_coordinate()
@@ -94,10 +96,10 @@ def local_indices(
         raise ValueError(f"local_indices: this rank is not part of {mesh}")
     idx = [torch.arange(s) for s in shape]
     for mesh_dim, p in enumerate(placements):
-        if not isinstance(p, Shard):
+        if not isinstance(p, Shard | StridedShard):
             continue
         n, c, cur = mesh.size(mesh_dim), coord[mesh_dim], idx[p.dim]
-        k = getattr(p, "interleaved_size", None)
+        k = getattr(p, "interleaved_size", None) or getattr(p, "split_factor", None)
         if k is not None:
             groups = cur.view(k, -1)
             sizes = _chunk_sizes(groups.shape[1], n)
