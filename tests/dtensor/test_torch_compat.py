@@ -17,6 +17,7 @@ OWNERS = {
     "ExplicitRedistributionContext": compat.ExplicitRedistributionContext,
     "ShardingPropagator": type(DTensor._op_dispatcher.sharding_propagator),
     "_mesh_resources": compat._mesh_resources,
+    "upstream_dispatch_module": compat.upstream_dispatch_module,
 }
 
 

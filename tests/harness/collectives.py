@@ -9,6 +9,7 @@ from, so it serves as the independent count.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import Counter
 from collections.abc import Iterator
 
@@ -23,13 +24,44 @@ KINDS = {
 }
 
 
+# profiler dtype names -> bytes per element
+_ELEMENT_BYTES = {
+    "double": 8,
+    "float": 4,
+    "c10::Half": 2,
+    "c10::BFloat16": 2,
+    "long int": 8,
+    "int": 4,
+    "short int": 2,
+    "signed char": 1,
+    "unsigned char": 1,
+    "bool": 1,
+}
+
+
+class CollectiveCounts(Counter[str]):
+    """Collectives per kind; ``.bytes[kind]``: the bytes of their input tensors (one rank's
+    contribution: the local shard for an all-gather, the whole buffer for an all-reduce)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: Counter[str] = Counter()
+
+
 @contextlib.contextmanager
-def count_collectives() -> Iterator[Counter[str]]:
-    """``with count_collectives() as counts:`` -> ``counts[kind]`` after the block."""
-    counts: Counter[str] = Counter()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+def count_collectives() -> Iterator[CollectiveCounts]:
+    """``with count_collectives() as counts:`` -> ``counts[kind]`` and ``counts.bytes[kind]``
+    after the block."""
+    counts = CollectiveCounts()
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
+    ) as prof:
         yield counts
-    counts.update(KINDS[e.name] for e in prof.events() if e.name in KINDS and not _nested(e))
+    for e in prof.events():
+        if e.name in KINDS and not _nested(e):
+            counts[KINDS[e.name]] += 1
+            shape, dtype = e.input_shapes[0], e.input_dtypes[0]
+            counts.bytes[KINDS[e.name]] += math.prod(shape) * _ELEMENT_BYTES[dtype]
 
 
 def _nested(event) -> bool:  # type: ignore[no-untyped-def]

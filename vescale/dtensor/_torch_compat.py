@@ -18,10 +18,17 @@ from torch.distributed._functional_collectives import _are_we_tracing as are_we_
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.device_mesh import _mesh_resources
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
+from torch.distributed.tensor import _dispatch as upstream_dispatch_module
 from torch.distributed.tensor._collective_utils import redistribute_cost
 from torch.distributed.tensor._dispatch import OpDispatcher
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpInfo, OpSchema, OpStrategy, OutputSharding
+from torch.distributed.tensor._op_schema import (
+    OpInfo,
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    OutputSharding,
+)
 from torch.distributed.tensor._ops.utils import (
     expand_to_full_mesh_op_strategy,
     register_op_strategy,
@@ -49,6 +56,7 @@ __all__ = [
     "OpDispatcher",
     "OpInfo",
     "OpSchema",
+    "OpSpec",
     "OpStrategy",
     "OutputSharding",
     "StridedShard",
@@ -72,6 +80,7 @@ __all__ = [
     "register_opaque_type",
     "resolve_process_group",
     "stable_topological_sort",
+    "upstream_dispatch_module",
     "upstream_redistribute_local_tensor",
 ]
 
@@ -114,11 +123,17 @@ def inductor_pieces() -> tuple[Any, Any, Any]:
 #   DeviceMesh._dim_group_names, DeviceMesh._pg_registry   (mesh from an existing group)
 #   DeviceMesh.__init__(..., _init_backend=False, _rank=...) (meta meshes, sub-meshes)
 #   DeviceMesh._sym_get_coordinate                         (per-rank coordinate, LocalTensorMode)
+#   _mesh_resources.num_devices_per_host                   (cost model on meta meshes)
+#   torch.distributed.tensor._dispatch.redistribute_local_tensor
+#                                                          (implicit redistribution to Partial)
 #   OpDispatcher._custom_op_handlers, unwrap_to_op_info, sharding_propagator.propagate,
 #     _dispatch_get_local_results_slow_path, _dispatch_fast_path_python_tail
 #                                                          (per-op hooks, Python dispatch)
 #   ExplicitRedistributionContext.observe_redistribution   (explicit-redistribution mode)
 #   ShardingPropagator.propagate_op_sharding(_non_cached)   (errors naming op, placements, mesh)
+#   ShardingPropagator.op_strategy_funcs, op_single_dim_strategy_funcs, op_to_schema_info
+#                                                          (wrap / restore upstream strategies)
+#   ShardingPropagator.op_to_scalar_shape_adjuster         (local split sizes / slice bounds)
 #   OpDispatcher.wrap                                        (op outputs become vescale.DTensor)
 #   DTensor._local_tensor, DTensor._spec                     (the DTensor payload)
 PRIVATE_ATTRIBUTES = (
@@ -126,6 +141,8 @@ PRIVATE_ATTRIBUTES = (
     ("DeviceMesh", "_pg_registry"),
     ("DeviceMesh", "_rank"),
     ("DeviceMesh", "_sym_get_coordinate"),
+    ("_mesh_resources", "num_devices_per_host"),
+    ("upstream_dispatch_module", "redistribute_local_tensor"),
     ("OpDispatcher", "wrap"),
     ("OpDispatcher", "unwrap_to_op_info"),
     ("OpDispatcher", "_dispatch_get_local_results_slow_path"),
@@ -134,6 +151,10 @@ PRIVATE_ATTRIBUTES = (
     ("ExplicitRedistributionContext", "observe_redistribution"),
     ("ShardingPropagator", "propagate_op_sharding"),
     ("ShardingPropagator", "propagate_op_sharding_non_cached"),
+    ("ShardingPropagator", "op_strategy_funcs"),
+    ("ShardingPropagator", "op_single_dim_strategy_funcs"),
+    ("ShardingPropagator", "op_to_schema_info"),
+    ("ShardingPropagator", "op_to_scalar_shape_adjuster"),
     ("DTensor", "_local_tensor"),
     ("DTensor", "_spec"),
 )

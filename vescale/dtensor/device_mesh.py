@@ -11,6 +11,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh as _UpstreamDeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _upstream_init_device_mesh
 
+from vescale.dtensor._torch_compat import _mesh_resources
+
 __all__ = ["DeviceMesh", "as_vescale_mesh", "init_device_mesh", "known_meshes"]
 
 _meshes: list[weakref.ref[Any]] = []
@@ -153,3 +155,13 @@ def init_device_mesh(
     return as_vescale_mesh(
         _upstream_init_device_mesh(device_type, mesh_shape, mesh_dim_names=mesh_dim_names, **kwargs)
     )
+
+
+def _devices_per_host(device_type: str) -> int:
+    """Upstream's cost model asks the device module how many devices a host has; the meta
+    device has no module (``torch.meta``), so a meta mesh counts one (as ``cpu`` does)."""
+    return 1 if device_type == "meta" else _upstream_devices_per_host(device_type)
+
+
+_upstream_devices_per_host = _mesh_resources.num_devices_per_host
+_mesh_resources.num_devices_per_host = _devices_per_host  # type: ignore[method-assign]

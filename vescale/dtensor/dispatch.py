@@ -42,9 +42,11 @@ from vescale.dtensor._torch_compat import (
     compute_global_tensor_info,
     get_proxy_mode,
     redistribute_cost,
+    upstream_dispatch_module,
 )
 from vescale.dtensor.dtensor import DTensor
 from vescale.dtensor.placement_types import Placement
+from vescale.dtensor.redistribute import redistribute_local_tensor
 
 __all__ = [
     "ImplicitRedistributionError",
@@ -103,11 +105,19 @@ def _reinstall(op: OpOverload) -> None:
         else:
             _handlers.pop(op, None)
     elif op in _bypass and op not in _pre and op not in _post:
-        _handlers[op] = _bypass[op]  # the user's handler itself: no extra layer
+        _handlers[op] = _outside_dynamo(_bypass[op])  # the handler itself: no extra layer
     else:
         _handlers[op] = _hooked
 
 
+def _outside_dynamo(fn: Handler) -> Handler:
+    """``fn`` run as plain Python even while a compiled function executes: Dynamo would
+    otherwise compile a handler's own frames (vescale is not on its skip list) when an op
+    runs eagerly inside a ``torch.compile`` call, e.g. around a graph break."""
+    return torch.compiler.disable(fn, recursive=True)  # type: ignore[no-any-return]
+
+
+@torch.compiler.disable(recursive=True)
 def _hooked(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     for pre in _pre.get(op, ()):
         args, kwargs = pre(op, args, kwargs)
@@ -411,3 +421,42 @@ def _observe_redistribution(
 
 
 ExplicitRedistributionContext.observe_redistribution = classmethod(_observe_redistribution)  # type: ignore[method-assign,assignment]
+
+
+def redistribute_for(op: OpOverload, t: _UpstreamDTensor, placements: Sequence[Placement]) -> Any:
+    """``t`` redistributed to ``placements`` on behalf of ``op`` (an op handler's implicit
+    redistribution): explicit mode checks it exactly like the strategies' own."""
+    placements = tuple(placements)
+    if tuple(t.placements) == placements:
+        return t
+    dst = DTensorSpec(t.device_mesh, placements, tensor_meta=t._spec.tensor_meta)
+    ExplicitRedistributionContext.observe_redistribution(t._spec, dst, _OpMessage(op))
+    return api.redistribute_dtensor(t, t.device_mesh, placements, async_op=False)
+
+
+class _OpMessage:
+    """The lazy redistribution message upstream's observer expects: names ``op``."""
+
+    def __init__(self, op: OpOverload) -> None:
+        self.args = (op,)
+
+    def __str__(self) -> str:
+        return f"{self.args[0]}: redistribution of an input"
+
+
+# ---- implicit redistribution to Partial ---------------------------------------------------
+
+
+def _redistribute_for_dispatch(
+    local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, **kwargs: Any
+) -> torch.Tensor:
+    """The dispatcher's input redistribution; steps that *target* a Partial (a linear op's
+    strategy asking for ``Shard -> Partial``, which upstream's planner refuses) go through
+    vescale's planner."""
+    if any(d.is_partial() and s != d for s, d in zip(src.placements, dst.placements)):
+        return redistribute_local_tensor(local, src, dst, async_op=kwargs.get("async_op", False))
+    return _upstream_dispatch_redistribute(local, src, dst, **kwargs)  # type: ignore[no-any-return]
+
+
+_upstream_dispatch_redistribute = upstream_dispatch_module.redistribute_local_tensor
+upstream_dispatch_module.redistribute_local_tensor = _redistribute_for_dispatch

@@ -1,5 +1,25 @@
 """Op behaviour vescale adds to upstream's registry, one module per op family."""
 
-from vescale.dtensor.ops import arg_reduction, attention, comparison, data_dependent, loss
+from vescale.dtensor.ops import (
+    arg_reduction,
+    attention,
+    comparison,
+    data_dependent,
+    embedding,
+    indexing,
+    linear,
+    loss,
+    view,
+)
 
-__all__ = ["arg_reduction", "attention", "comparison", "data_dependent", "loss"]
+__all__ = [
+    "arg_reduction",
+    "attention",
+    "comparison",
+    "data_dependent",
+    "embedding",
+    "indexing",
+    "linear",
+    "loss",
+    "view",
+]

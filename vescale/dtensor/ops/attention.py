@@ -12,7 +12,9 @@ communication when q, k, v (and the output, logsumexp and gradients) are all
 
 An ``attn_mask`` follows the sharded dim when it has that dim with size > 1 and is
 replicated when it broadcasts over it. Any other input layout is redistributed to the
-cheapest of these (or raises in explicit mode).
+cheapest of these (or raises in explicit mode). A sharding that would leave some rank an
+empty shard (5 heads on 4 ranks: 2, 2, 1, 0) is not offered: the CPU kernel dies of a
+floating-point exception on empty inputs.
 """
 
 from __future__ import annotations
@@ -22,14 +24,16 @@ from typing import Any
 import torch
 
 from vescale.dtensor._torch_compat import (
+    DTensorSpec,
     OpSchema,
     OpStrategy,
     expand_to_full_mesh_op_strategy,
     register_op_strategy,
 )
+from vescale.dtensor.ops._layout import empty_shard_dims
 from vescale.dtensor.placement_types import Partial, Placement, Replicate, Shard
 
-__all__ = ["sdpa_cpu_backward_strategy", "sdpa_cpu_strategy"]
+__all__ = ["no_empty_shard", "sdpa_cpu_backward_strategy", "sdpa_cpu_strategy"]
 
 aten = torch.ops.aten
 
@@ -45,6 +49,11 @@ def _mask_placement(schema: OpSchema, dim: int) -> list[Placement]:
     if mask_dim >= 0 and shape[mask_dim] > 1:
         return [Shard(mask_dim)]
     return [Replicate()]
+
+
+def no_empty_shard(input_specs: list[DTensorSpec], _outputs: object) -> bool:
+    """No rank of the mesh holds an empty shard of any input."""
+    return not any(s.tensor_meta is not None and empty_shard_dims(s) for s in input_specs)
 
 
 def _sharded(schema: OpSchema, dim: int, n: int) -> list[Placement | None]:
@@ -66,7 +75,11 @@ def sdpa_cpu_strategy(schema: OpSchema) -> Any:
         [Partial(), Replicate(), Replicate(), Replicate(), Partial(), *_replicated(schema, 0)],
     ]
     return expand_to_full_mesh_op_strategy(
-        schema.get_mesh_from_args(), schema, strategies, input_index=2
+        schema.get_mesh_from_args(),
+        schema,
+        strategies,
+        input_index=2,
+        is_valid_strategy_cb=no_empty_shard,
     )
 
 
@@ -79,5 +92,9 @@ def sdpa_cpu_backward_strategy(schema: OpSchema) -> Any:
         _sharded(schema, 0, 9),
     ]
     return expand_to_full_mesh_op_strategy(
-        schema.get_mesh_from_args(validate=False), schema, strategies, input_index=3
+        schema.get_mesh_from_args(validate=False),
+        schema,
+        strategies,
+        input_index=3,
+        is_valid_strategy_cb=no_empty_shard,
     )

@@ -1,16 +1,36 @@
-"""Data-dependent ops (``nonzero``, ``unique``) on Replicate inputs.
+"""Data-dependent ops: ``nonzero`` on Replicate inputs, ``unique`` (``_unique2``) on any.
 
 Their output shapes depend on values, so fake propagation cannot know them; on Replicate
 inputs every rank computes the same result, whose tensor meta is taken from the local result.
+
+``_unique2`` on a sharded input never gathers the input: each rank takes its local unique
+values, those (variable-length, padded to the longest) are all-gathered along each sharding
+mesh dim and merged, so every rank holds the sorted global uniques (Replicate). The inverse
+indices are a local ``searchsorted`` into them and keep the input's placements; the counts
+are the local counts placed at their global positions, all-reduced (SUM) over the sharding
+mesh dims. Communication: the unique values (twice: sizes, then values) and the counts,
+never the input. ``Partial`` inputs are reduced first (the explicit-mode error when on).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale.dtensor._torch_compat import DTensorSpec, OpSchema
-from vescale.dtensor.dispatch import bypass_sharding_prop
+from vescale.dtensor.api import from_local, wait_local
+from vescale.dtensor.dispatch import (
+    bypass_dispatch,
+    bypass_sharding_prop,
+    python_dispatch,
+    redistribute_for,
+)
 from vescale.dtensor.placement_types import Placement, Replicate
+
+__all__ = ["replicate_only", "sharded_unique"]
 
 aten = torch.ops.aten
 
@@ -32,3 +52,57 @@ def replicate_only(schema: OpSchema) -> tuple[Placement, ...] | tuple[tuple[Plac
     out = (Replicate(),) * mesh.ndim
     n = DATA_DEPENDENT_OPS[schema.op]
     return out if n == 1 else (out,) * n
+
+
+def _gather_values(values: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:
+    """The concatenation of every rank's 1-D ``values`` along ``mesh_dim``."""
+    n = torch.tensor([values.numel()], device=values.device)
+    sizes = wait_local(funcol.all_gather_tensor(n, 0, (mesh, mesh_dim))).tolist()
+    padded = values.new_zeros(max(sizes))
+    padded[: values.numel()] = values
+    gathered = wait_local(funcol.all_gather_tensor(padded, 0, (mesh, mesh_dim)))
+    return torch.cat([c[:s] for c, s in zip(gathered.chunk(len(sizes)), sizes)])
+
+
+def _replicated(local: torch.Tensor, mesh: Any) -> Any:
+    return from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False, support_uneven=False)
+
+
+@bypass_dispatch(aten._unique2.default)
+def sharded_unique(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``torch.unique(x, sorted, return_inverse, return_counts)`` (see module docstring)."""
+    x = args[0]
+    bound = dict(zip(["sorted", "return_inverse", "return_counts"], args[1:])) | kwargs
+    if not isinstance(x, _UpstreamDTensor):
+        return python_dispatch(op, args, kwargs, replicate_only)
+    mesh = x.device_mesh
+    if any(p.is_partial() for p in x.placements):
+        x = redistribute_for(op, x, [Replicate() if p.is_partial() else p for p in x.placements])
+    sharding = [i for i, p in enumerate(x.placements) if p.is_shard() and mesh.size(i) > 1]
+    if not sharding:
+        return python_dispatch(op, (x, *args[1:]), kwargs, replicate_only)
+    local = wait_local(x._local_tensor)
+    values, _, counts = torch._unique2(local, sorted=True, return_counts=True)
+    merged = values
+    for mesh_dim in sharding:
+        merged = torch.unique(_gather_values(merged, mesh, mesh_dim), sorted=True)
+    empty = local.new_empty(0, dtype=torch.long)
+    inverse = empty
+    if bound.get("return_inverse", False):
+        inverse = _wrap_like(torch.searchsorted(merged, local), x)
+    global_counts: Any = _replicated(empty, mesh)
+    if bound.get("return_counts", False):
+        c = torch.zeros(merged.numel(), dtype=torch.long, device=local.device)
+        c[torch.searchsorted(merged, values)] = counts
+        for mesh_dim in sharding:
+            c = wait_local(funcol.all_reduce(c, "sum", (mesh, mesh_dim)))
+        global_counts = _replicated(c, mesh)
+    if not isinstance(inverse, _UpstreamDTensor):
+        inverse = _replicated(inverse, mesh)
+    return _replicated(merged, mesh), inverse, global_counts
+
+
+def _wrap_like(local: torch.Tensor, x: _UpstreamDTensor) -> Any:
+    return from_local(
+        local, x.device_mesh, list(x.placements), run_check=False, shape=x.shape, stride=x.stride()
+    )

@@ -10,14 +10,26 @@ global input: no communication added, exact for uneven shards.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale.dtensor.dispatch import bypass_dispatch, python_dispatch
+from vescale.dtensor._torch_compat import compute_local_shape_and_global_offset
+from vescale.dtensor.api import from_local, wait_local
+from vescale.dtensor.dispatch import bypass_dispatch, python_dispatch, redistribute_for
+from vescale.dtensor.placement_types import Partial, Placement, Replicate
 
-__all__ = ["ELEMENTWISE_LOSSES", "global_mean_loss"]
+__all__ = [
+    "ELEMENTWISE_LOSSES",
+    "global_mean_loss",
+    "sharded_log_softmax",
+    "sharded_log_softmax_backward",
+    "sharded_nll_loss",
+    "sharded_nll_loss_backward",
+]
 
 aten = torch.ops.aten
 MEAN, SUM = 1, 2  # torch's reduction enum (none=0)
@@ -68,3 +80,208 @@ def global_mean_loss(
         return python_dispatch(op, args, kwargs)
     bound[r] = SUM
     return python_dispatch(op, tuple(bound), {}) * (1.0 / inp.numel())
+
+
+# ---- log_softmax and nll_loss on class-sharded input ------------------------------------
+#
+# ``F.cross_entropy`` is ``_log_softmax`` + ``nll_loss_forward``. Upstream gathers logits
+# sharded over the class dim to Replicate (a vocabulary-sized all-gather). Here:
+#
+# * ``_log_softmax`` over a sharded dim: local max and sum of exponentials, all-reduced (MAX,
+#   then SUM) over the mesh dims sharding it: two all-reduces of the output size without that
+#   dim. The output keeps the input's placements. Its backward all-reduces one sum likewise.
+# * ``nll_loss_forward`` on ``(N, C)`` / ``(C,)`` input, sharded or ``Partial`` (linear): each
+#   rank picks the targets inside its class range (others count as ignored), so the loss is
+#   ``Partial`` over the class-sharding, batch-sharding and Partial mesh dims, with no
+#   communication for ``sum``/``none``. ``mean`` divides by the *global* total weight: one
+#   scalar all-reduce over the batch-sharding mesh dims (upstream averaged local means, wrong
+#   when ranks hold different numbers of ignored targets, and refused uneven batches).
+#   ``total_weight`` is that global weight for ``mean`` (``Partial`` otherwise).
+# * ``nll_loss_backward``: local, with the local target range and the global total weight.
+
+
+def _mesh_dims_sharding(t: _UpstreamDTensor, dim: int) -> list[int]:
+    return [i for i, p in enumerate(t.placements) if p.is_shard(dim) and t.device_mesh.size(i) > 1]
+
+
+def _shard_only(t: object) -> bool:
+    return isinstance(t, _UpstreamDTensor) and not any(p.is_partial() for p in t.placements)
+
+
+def _all_reduce(t: torch.Tensor, op: str, mesh: Any, mesh_dims: list[int]) -> torch.Tensor:
+    for mesh_dim in mesh_dims:
+        t = wait_local(funcol.all_reduce(t, op, (mesh, mesh_dim)))
+    return t
+
+
+def _wrap(
+    local: torch.Tensor,
+    like: _UpstreamDTensor,
+    placements: Sequence[Placement],
+    shape: Sequence[int],
+) -> Any:
+    stride = torch.empty(tuple(shape), device="meta").stride()
+    return from_local(
+        local,
+        like.device_mesh,
+        list(placements),
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=stride,
+    )
+
+
+@bypass_dispatch(aten._log_softmax.default)
+def sharded_log_softmax(
+    op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``_log_softmax`` over a sharded dim without gathering it (see above)."""
+    x, dim, half_to_float = _bind(op, args, kwargs)
+    if (
+        not _shard_only(x)
+        or x.ndim == 0
+        or not _mesh_dims_sharding(x, dim % x.ndim)
+        or half_to_float
+    ):
+        return python_dispatch(op, args, kwargs)
+    dim %= x.ndim
+    mesh, mesh_dims = x.device_mesh, _mesh_dims_sharding(x, dim)
+    local = wait_local(x._local_tensor)
+    empty = local.shape[dim] == 0
+    shift = (
+        torch.full_like(local.sum(dim, keepdim=True), float("-inf"))
+        if empty
+        else local.amax(dim, keepdim=True)
+    )
+    shift = _all_reduce(shift, "max", mesh, mesh_dims)
+    total = _all_reduce((local - shift).exp().sum(dim, keepdim=True), "sum", mesh, mesh_dims)
+    return _wrap(local - shift - total.log(), x, x.placements, x.shape)
+
+
+@bypass_dispatch(aten._log_softmax_backward_data.default)
+def sharded_log_softmax_backward(
+    op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``grad - exp(out) * sum(grad, dim)`` with the sum all-reduced over the sharding mesh dims."""
+    grad, out, dim, input_dtype = _bind(op, args, kwargs)
+    if (
+        not (_shard_only(out) and out.ndim and _mesh_dims_sharding(out, dim % out.ndim))
+        or out.dtype != input_dtype
+    ):
+        return python_dispatch(op, args, kwargs)
+    dim %= out.ndim
+    grad = redistribute_for(op, grad, out.placements)
+    g, o = wait_local(grad._local_tensor), wait_local(out._local_tensor)
+    total = _all_reduce(
+        g.sum(dim, keepdim=True), "sum", out.device_mesh, _mesh_dims_sharding(out, dim)
+    )
+    return _wrap(g - o.exp() * total, out, out.placements, out.shape)
+
+
+def _nll_layout(x: _UpstreamDTensor) -> tuple[list[int], list[int], int]:
+    """(class-sharding mesh dims, batch-sharding mesh dims, global offset of the local classes)."""
+    class_dim = 1 if x.ndim == 2 else 0
+    _, offsets = compute_local_shape_and_global_offset(x.shape, x.device_mesh, tuple(x.placements))
+    batch = _mesh_dims_sharding(x, 0) if x.ndim == 2 else []
+    return _mesh_dims_sharding(x, class_dim), batch, offsets[class_dim]
+
+
+def _local_target(
+    target: torch.Tensor, offset: int, n_local: int, ignore_index: int
+) -> torch.Tensor:
+    local = target - offset
+    inside = (local >= 0) & (local < n_local) & (target != ignore_index)
+    return torch.where(inside, local, torch.full_like(local, ignore_index))
+
+
+def _nll_inputs(
+    op: torch._ops.OpOverload, x: _UpstreamDTensor, target: Any, weight: Any
+) -> tuple[torch.Tensor, torch.Tensor | None, list[Placement]]:
+    """(target, full class weight or None, target placements): the target follows the batch
+    placements of ``x`` and is replicated over its class-sharding mesh dims."""
+    want = [p if x.ndim == 2 and p.is_shard(0) else Replicate() for p in x.placements]
+    target = redistribute_for(op, target, want)
+    if weight is not None:
+        weight = wait_local(
+            redistribute_for(op, weight, [Replicate()] * x.device_mesh.ndim)._local_tensor
+        )
+    return wait_local(target._local_tensor), weight, want
+
+
+def _nll_applies(x: object, target: object) -> bool:
+    """Sharded or Partial (nll is linear in its input) ``(N, C)`` / ``(C,)`` input."""
+    return (
+        isinstance(x, _UpstreamDTensor)
+        and isinstance(target, _UpstreamDTensor)
+        and x.ndim in (1, 2)
+        and any(
+            not p.is_replicate() and x.device_mesh.size(i) > 1 for i, p in enumerate(x.placements)
+        )
+    )
+
+
+@bypass_dispatch(aten.nll_loss_forward.default)
+def sharded_nll_loss(
+    op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``nll_loss_forward`` on batch- and/or class-sharded input (see above)."""
+    x, target, weight, reduction, ignore_index = _bind(op, args, kwargs)
+    if not _nll_applies(x, target):
+        return python_dispatch(op, args, kwargs)
+    class_dims, batch_dims, offset = _nll_layout(x)
+    t, w, t_placements = _nll_inputs(op, x, target, weight)
+    local = wait_local(x._local_tensor)
+    n_local = local.shape[-1 if x.ndim == 2 else 0]
+    w_local = None if w is None else w[offset : offset + n_local]
+    lt = _local_target(t, offset, n_local, ignore_index)
+    kernel_reduction = SUM if reduction == MEAN else reduction
+    out, _ = torch.ops.aten.nll_loss_forward(local, lt, w_local, kernel_reduction, ignore_index)
+    counted = t != ignore_index
+    picked = (
+        torch.ones_like(t, dtype=local.dtype)
+        if w is None
+        else w[torch.where(counted, t, 0)].to(local.dtype)
+    )
+    total = (picked * counted).sum()
+    mesh = x.device_mesh
+    partial_dims = [i for i, p in enumerate(x.placements) if p.is_partial()]
+    loss_dims = set(class_dims) | set(batch_dims) | set(partial_dims)
+    partial = [Partial() if i in loss_dims else Replicate() for i in range(mesh.ndim)]
+    if reduction == MEAN:
+        total = _all_reduce(total, "sum", mesh, batch_dims)
+        out = out / total
+        total_placements = [Replicate()] * mesh.ndim
+    else:
+        total_placements = [Partial() if i in batch_dims else Replicate() for i in range(mesh.ndim)]
+    if reduction == 0:  # none: per-sample losses, sharded like the target over the batch
+        out_placements = [
+            Partial() if i in loss_dims and i not in batch_dims else p
+            for i, p in enumerate(t_placements)
+        ]
+        out_t = _wrap(out, x, out_placements, target.shape)
+    else:
+        out_t = _wrap(out, x, partial, ())
+    return out_t, _wrap(total, x, total_placements, ())
+
+
+@bypass_dispatch(aten.nll_loss_backward.default)
+def sharded_nll_loss_backward(
+    op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Local ``nll_loss_backward`` with the local class range and the global total weight."""
+    grad, x, target, weight, reduction, ignore_index, total = _bind(op, args, kwargs)
+    if not _nll_applies(x, target):
+        return python_dispatch(op, args, kwargs)
+    _, _, offset = _nll_layout(x)
+    t, w, t_placements = _nll_inputs(op, x, target, weight)
+    mesh = x.device_mesh
+    grad_placements = t_placements if reduction == 0 else [Replicate()] * mesh.ndim
+    g = wait_local(redistribute_for(op, grad, grad_placements)._local_tensor)
+    if isinstance(total, _UpstreamDTensor):  # global for mean; unused by sum and none
+        total = wait_local(total._local_tensor)
+    local = wait_local(x._local_tensor)
+    n_local = local.shape[-1 if x.ndim == 2 else 0]
+    w_local = None if w is None else w[offset : offset + n_local]
+    lt = _local_target(t, offset, n_local, ignore_index)
+    out = torch.ops.aten.nll_loss_backward(g, local, lt, w_local, reduction, ignore_index, total)
+    return _wrap(out, x, [Replicate() if p.is_partial() else p for p in x.placements], x.shape)
