@@ -40,6 +40,8 @@ class Custom(nn.Module):
             self.a[:, 3].fill_(7.0)
             self.a[2:30:3].zero_()
         self.register_buffer("pos", torch.arange(30).float())
+        self.register_buffer("halves", self.a.new_full((4, 6), 0.5))
+        self.register_buffer("noise", torch.randn_like(self.b))
         self.register_buffer("scale", torch.ones(21).copy_(torch.linspace(0, 1, 21)))
         self.head = nn.Linear(20, 37, bias=False)
         self.head.weight = self.emb.weight  # tied

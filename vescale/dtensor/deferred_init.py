@@ -274,7 +274,9 @@ def _create(
     if name in fills:
         value = fills[name]
         if value == "arg":
-            value = args[1] if len(args) > 1 else kwargs["fill_value"]
+            names = [a.name for a in func._schema.arguments]
+            at = names.index("fill_value")
+            value = args[at] if at < len(args) else kwargs["fill_value"]
         return _new(meta, device, _Step("fill", value=value))
     return _new(meta, device, _Step("factory", func, args, kwargs))
 

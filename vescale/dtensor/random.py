@@ -372,7 +372,9 @@ def _dtensor_random(
     dt = args[0]
     spec = dt._spec
     mesh = spec.mesh
-    if not mesh._is_current_rank_part_of_mesh():
+    rop = random_op_of(op, args, kwargs)
+    if not mesh._is_current_rank_part_of_mesh():  # the generator still advances as on the mesh
+        run_random(rop, spec.shape, dt.dtype, dt._local_tensor.device, None, stride=spec.stride)
         return dt
     if any(p.is_partial() for p in spec.placements):
         raise ValueError(
@@ -381,7 +383,6 @@ def _dtensor_random(
         )
     local = dt._local_tensor
     indices = local_indices(spec.shape, mesh, spec.placements)
-    rop = random_op_of(op, args, kwargs)
     values = run_random(rop, spec.shape, local.dtype, local.device, indices, stride=spec.stride)
     assert values is not None
     local.copy_(values.view(local.shape))
