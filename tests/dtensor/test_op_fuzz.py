@@ -20,7 +20,7 @@ import torch
 import vescale
 from tests.dtensor.op_cases import BY_NAME, CASES, EVEN, UNEVEN, OpCase
 from tests.dtensor.reference import mesh_of
-from vescale import Partial, Placement, Replicate, Shard
+from vescale import InterleavedShard, Partial, Placement, Replicate, Shard
 
 Layout = tuple[tuple[Placement, ...], ...]  # per input, per mesh dim
 
@@ -183,3 +183,41 @@ if __name__ == "__main__":  # the case count per op: python -m tests.dtensor.tes
         total += sum(counts)
         print(f"{c.name:26s} 1-D x2 {counts[0]:4d}  1-D x4 {counts[1]:4d}  2x2 {counts[2]:4d}")
     print(f"{'total':26s} {total}")
+
+
+# (case, input, dim): that input InterleavedShard(dim, 2) on 2 ranks, the others replicated
+INTERLEAVED = [
+    ("argmax", 0, 1),
+    ("argmin", 0, 0),
+    ("topk_dim0", 0, 0),
+    ("unique", 0, 0),
+    ("cross_entropy", 0, 1),
+    ("cross_entropy_none", 0, 0),
+    ("nll_loss", 0, 1),
+    ("embedding", 1, 0),
+    ("index_add__dim0", 0, 1),
+    ("scatter_src_dim1", 0, 0),
+]
+
+
+def _interleaved(cases):
+    failures = []
+    with vescale.dtensor.explicit_redistribute(False):
+        for name, i, dim in cases:
+            case = BY_NAME[name]
+            n = len(make_inputs(case, EVEN))
+            layout = tuple(
+                (InterleavedShard(dim, 2),) if j == i else (Replicate(),) for j in range(n)
+            )
+            try:
+                check_layout(case, EVEN, (2,), layout)
+            except Exception as e:
+                failures.append(f"{name} {layout}: {type(e).__name__}: {str(e)[:300]}")
+    return failures
+
+
+def test_ops_on_interleaved_shards(pool2):
+    """Ops that locate a shard by its global offset must not treat an interleaved shard as
+    a contiguous chunk."""
+    failures = pool2.run(_interleaved, INTERLEAVED)[0]
+    assert not failures, "\n".join(failures)

@@ -38,6 +38,7 @@ from vescale.dtensor._torch_compat import (
     LocalLRUCache,
     OpSchema,
     OutputSharding,
+    StridedShard,
     TensorMeta,
     compute_global_tensor_info,
     get_proxy_mode,
@@ -45,7 +46,7 @@ from vescale.dtensor._torch_compat import (
     upstream_dispatch_module,
 )
 from vescale.dtensor.dtensor import DTensor
-from vescale.dtensor.placement_types import Placement
+from vescale.dtensor.placement_types import Placement, spec_placements
 from vescale.dtensor.redistribute import redistribute_local_tensor
 
 __all__ = [
@@ -429,8 +430,8 @@ def redistribute_for(op: OpOverload, t: _UpstreamDTensor, placements: Sequence[P
     placements = tuple(placements)
     if tuple(t.placements) == placements:
         return t
-    dst = DTensorSpec(t.device_mesh, placements, tensor_meta=t._spec.tensor_meta)
-    ExplicitRedistributionContext.observe_redistribution(t._spec, dst, _OpMessage(op))
+    dst = DTensorSpec(t.device_mesh, spec_placements(placements), tensor_meta=t._spec.tensor_meta)
+    ExplicitRedistributionContext.observe_redistribution(t._spec, dst, _OpMessage(op))  # type: ignore[arg-type]
     return api.redistribute_dtensor(t, t.device_mesh, placements, async_op=False)
 
 
@@ -451,12 +452,15 @@ def _redistribute_for_dispatch(
     local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, **kwargs: Any
 ) -> torch.Tensor:
     """The dispatcher's input redistribution; steps that *target* a Partial (a linear op's
-    strategy asking for ``Shard -> Partial``, which upstream's planner refuses) go through
-    vescale's planner."""
-    if any(d.is_partial() and s != d for s, d in zip(src.placements, dst.placements)):
+    strategy asking for ``Shard -> Partial``, which upstream's planner refuses) and any
+    involving an interleaved (strided) shard go through vescale's planner."""
+    if any(
+        (d.is_partial() and s != d) or isinstance(s, StridedShard) or isinstance(d, StridedShard)
+        for s, d in zip(src.placements, dst.placements)
+    ):
         return redistribute_local_tensor(local, src, dst, async_op=kwargs.get("async_op", False))
     return _upstream_dispatch_redistribute(local, src, dst, **kwargs)  # type: ignore[no-any-return]
 
 
 _upstream_dispatch_redistribute = upstream_dispatch_module.redistribute_local_tensor
-upstream_dispatch_module.redistribute_local_tensor = _redistribute_for_dispatch
+upstream_dispatch_module.redistribute_local_tensor = _redistribute_for_dispatch  # type: ignore[assignment]

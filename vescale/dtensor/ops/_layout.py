@@ -4,9 +4,12 @@ so every rank picks the same strategy."""
 
 from __future__ import annotations
 
-from vescale.dtensor._torch_compat import DTensorSpec
+from typing import Any
 
-__all__ = ["chunk_sizes", "empty_shard_dims"]
+from vescale.dtensor._torch_compat import DTensorSpec, StridedShard
+from vescale.dtensor.placement_types import InterleavedShard
+
+__all__ = ["chunk_sizes", "contiguous_shards", "empty_shard_dims", "local_range"]
 
 
 def chunk_sizes(n: int, k: int) -> list[int]:
@@ -27,3 +30,25 @@ def empty_shard_dims(spec: DTensorSpec) -> list[int]:
         if n > 0 and 0 in sizes:
             out.append(dim)
     return out
+
+
+def contiguous_shards(t: Any) -> bool:
+    """Every sharded placement of DTensor ``t`` holds one contiguous chunk per rank (not an
+    ``InterleavedShard`` / ``_StridedShard``), so a shard's global offset locates it."""
+    return not any(isinstance(p, (StridedShard, InterleavedShard)) for p in t.placements)
+
+
+def local_range(shape: Any, mesh: Any, placements: Any, dim: int) -> tuple[int, int]:
+    """(global start, length) along ``dim`` of this rank's contiguous shard of a tensor of
+    global ``shape`` laid out as ``placements`` on ``mesh``.
+
+    Plain integers from the mesh coordinate (upstream's offset helper goes through a
+    coordinate tensor, which Dynamo cannot trace without a graph break)."""
+    coord = mesh.get_coordinate()
+    start, size = 0, int(shape[dim])
+    for mesh_dim, p in enumerate(placements):
+        if p.is_shard(dim):
+            sizes = chunk_sizes(size, mesh.size(mesh_dim))
+            start += sum(sizes[: coord[mesh_dim]])
+            size = sizes[coord[mesh_dim]]
+    return start, size

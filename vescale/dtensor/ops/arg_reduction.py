@@ -12,7 +12,7 @@ output is replicated over those mesh dims and keeps the input's other placements
 ``k`` pads with ``-inf``/``+inf``): ``k`` values and indices per rank are gathered instead of
 the whole dim. Reductions over an unsharded dim, over all dims, or of ``Partial`` inputs go
 through the strategy (no communication for the former; redistribution or the explicit-mode error for
-``Partial``).
+``Partial``), as do interleaved (``InterleavedShard``) layouts, whose shards are not contiguous.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale.dtensor._torch_compat import compute_local_shape_and_global_offset
 from vescale.dtensor.api import from_local, wait_local
 from vescale.dtensor.dispatch import bypass_dispatch, python_dispatch
+from vescale.dtensor.ops._layout import contiguous_shards, local_range
 from vescale.dtensor.placement_types import Placement, Replicate, Shard
 
 __all__ = ["arg_extremum", "sharded_topk"]
@@ -80,8 +80,8 @@ def _gather_best(
     """The ``k`` best over all ranks of ``mesh_dims`` (innermost first: candidates stay in
     global order, so the first best is torch's first occurrence)."""
     for mesh_dim in reversed(mesh_dims):
-        vals = wait_local(funcol.all_gather_tensor(val.contiguous(), dim, (mesh, mesh_dim)))
-        idxs = wait_local(funcol.all_gather_tensor(idx.contiguous(), dim, (mesh, mesh_dim)))
+        vals = wait_local(funcol.all_gather_single(val.contiguous(), dim, (mesh, mesh_dim)))
+        idxs = wait_local(funcol.all_gather_single(idx.contiguous(), dim, (mesh, mesh_dim)))
         if first:
             best = vals.argmax(dim, keepdim=True) if largest else vals.argmin(dim, keepdim=True)
         else:
@@ -96,8 +96,8 @@ def _reduce(
     """(values, indices, output placements, sharding mesh dims) with ``dim`` kept (size k)."""
     mesh, placements = x.device_mesh, tuple(x.placements)
     sharding = [i for i, p in enumerate(placements) if p.is_shard(dim) and mesh.size(i) > 1]
-    _, offsets = compute_local_shape_and_global_offset(x.shape, mesh, placements)
-    val, idx = _candidates(wait_local(x._local_tensor), offsets[dim], dim, k, largest, first)
+    start, _ = local_range(x.shape, mesh, placements, dim)
+    val, idx = _candidates(wait_local(x._local_tensor), start, dim, k, largest, first)
     if sharding:
         val, idx = _gather_best(val, idx, dim, k, largest, first, mesh, sharding)
     return val, idx, _output_placements(placements, dim, True, sharding), sharding
@@ -122,7 +122,7 @@ def arg_extremum(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[
         return python_dispatch(op, args, kwargs)
     dim = dim % x.ndim
     sharded = any(p.is_shard(dim) and x.device_mesh.size(i) > 1 for i, p in enumerate(x.placements))
-    if not sharded or any(p.is_partial() for p in x.placements):
+    if not sharded or any(p.is_partial() for p in x.placements) or not contiguous_shards(x):
         return python_dispatch(op, args, kwargs)
     _, idx, placements, sharding = _reduce(x, dim, 1, _LARGEST[op], first=True)
     shape = list(x.shape)
@@ -142,7 +142,7 @@ def sharded_topk(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[
     x, k = bound["self"], int(bound["k"])
     if not isinstance(x, _UpstreamDTensor) or x.ndim == 0:
         return python_dispatch(op, args, kwargs)
-    if any(p.is_partial() for p in x.placements):
+    if any(p.is_partial() for p in x.placements) or not contiguous_shards(x):
         return python_dispatch(op, args, kwargs)
     dim = bound.get("dim", -1) % x.ndim
     if k > x.shape[dim]:

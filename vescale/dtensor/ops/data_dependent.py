@@ -57,10 +57,10 @@ def replicate_only(schema: OpSchema) -> tuple[Placement, ...] | tuple[tuple[Plac
 def _gather_values(values: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:
     """The concatenation of every rank's 1-D ``values`` along ``mesh_dim``."""
     n = torch.tensor([values.numel()], device=values.device)
-    sizes = wait_local(funcol.all_gather_tensor(n, 0, (mesh, mesh_dim))).tolist()
+    sizes = wait_local(funcol.all_gather_single(n, 0, (mesh, mesh_dim))).tolist()
     padded = values.new_zeros(max(sizes))
     padded[: values.numel()] = values
-    gathered = wait_local(funcol.all_gather_tensor(padded, 0, (mesh, mesh_dim)))
+    gathered = wait_local(funcol.all_gather_single(padded, 0, (mesh, mesh_dim)))
     return torch.cat([c[:s] for c, s in zip(gathered.chunk(len(sizes)), sizes)])
 
 

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale.dtensor._torch_compat import compute_local_shape_and_global_offset
 from vescale.dtensor.api import from_local, wait_local
 from vescale.dtensor.dispatch import bypass_dispatch, python_dispatch, redistribute_for
+from vescale.dtensor.ops._layout import contiguous_shards, local_range
 from vescale.dtensor.placement_types import Partial, Placement, Replicate, Shard
 
 __all__ = ["vocab_parallel_embedding", "vocab_parallel_embedding_backward"]
@@ -79,8 +79,7 @@ def _out_placements(
 
 def _local_rows(layout: Layout, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(local row of each index, mask of indices this rank holds, local row count)."""
-    shape, offsets = compute_local_shape_and_global_offset(*layout)
-    rows, start = shape[0], offsets[0]
+    start, rows = local_range(*layout, 0)
     mine = (indices >= start) & (indices < start + rows)
     return torch.where(mine, indices - start, torch.zeros_like(indices)), mine, rows
 
@@ -103,7 +102,8 @@ def vocab_parallel_embedding(
     if not (
         isinstance(weight, _UpstreamDTensor)
         and isinstance(indices, _UpstreamDTensor)
-        and _vocab_dims(_layout(weight))
+        and (_vocab_dims(_layout(weight)) or any(p.is_partial() for p in weight.placements))
+        and contiguous_shards(weight)
     ):
         return python_dispatch(op, args, kwargs)
     layout = _layout(weight)

@@ -17,9 +17,9 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale.dtensor._torch_compat import compute_local_shape_and_global_offset
 from vescale.dtensor.api import from_local, wait_local
 from vescale.dtensor.dispatch import bypass_dispatch, python_dispatch, redistribute_for
+from vescale.dtensor.ops._layout import contiguous_shards, local_range
 from vescale.dtensor.placement_types import Partial, Placement, Replicate
 
 __all__ = [
@@ -181,9 +181,9 @@ def sharded_log_softmax_backward(
 def _nll_layout(x: _UpstreamDTensor) -> tuple[list[int], list[int], int]:
     """(class-sharding mesh dims, batch-sharding mesh dims, global offset of the local classes)."""
     class_dim = 1 if x.ndim == 2 else 0
-    _, offsets = compute_local_shape_and_global_offset(x.shape, x.device_mesh, tuple(x.placements))
+    start, _ = local_range(x.shape, x.device_mesh, x.placements, class_dim)
     batch = _mesh_dims_sharding(x, 0) if x.ndim == 2 else []
-    return _mesh_dims_sharding(x, class_dim), batch, offsets[class_dim]
+    return _mesh_dims_sharding(x, class_dim), batch, start
 
 
 def _local_target(
@@ -214,6 +214,7 @@ def _nll_applies(x: object, target: object) -> bool:
         isinstance(x, _UpstreamDTensor)
         and isinstance(target, _UpstreamDTensor)
         and x.ndim in (1, 2)
+        and contiguous_shards(x)
         and any(
             not p.is_replicate() and x.device_mesh.size(i) > 1 for i, p in enumerate(x.placements)
         )
@@ -250,7 +251,7 @@ def sharded_nll_loss(
     if reduction == MEAN:
         total = _all_reduce(total, "sum", mesh, batch_dims)
         out = out / total
-        total_placements = [Replicate()] * mesh.ndim
+        total_placements: list[Placement] = [Replicate()] * mesh.ndim
     else:
         total_placements = [Partial() if i in batch_dims else Replicate() for i in range(mesh.ndim)]
     if reduction == 0:  # none: per-sample losses, sharded like the target over the batch

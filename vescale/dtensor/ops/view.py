@@ -71,15 +71,18 @@ def _nested_empty(spec: DTensorSpec) -> bool:
 def _retrying(upstream: Callable[[OpSchema], Any]) -> Callable[[OpSchema], Any]:
     def strategy(schema: OpSchema) -> Any:
         first = schema.args_schema[0]
-        single = isinstance(first, OpStrategy) and len(first.strategies) == 1
+        spec = (
+            first.strategies[0].output_spec
+            if isinstance(first, OpStrategy) and len(first.strategies) == 1
+            else None
+        )
         try:
-            if single and _nested_empty(first.strategies[0].output_spec):  # type: ignore[union-attr]
+            if spec is not None and _nested_empty(spec):
                 raise ValueError("nested uneven sharding with an empty shard")
             return upstream(schema)
         except (RuntimeError, KeyError, AssertionError, ValueError) as err:
-            if not single:
+            if spec is None:
                 raise
-            spec = first.strategies[0].output_spec  # type: ignore[union-attr]
             for candidate in _candidates(tuple(spec.placements)):
                 if _nested_empty(DTensorSpec(spec.mesh, candidate, tensor_meta=spec.tensor_meta)):
                     continue
