@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from vescale.dtensor._torch_compat import DTensorSpec, StridedShard
 from vescale.dtensor.placement_types import InterleavedShard
 
-__all__ = ["chunk_sizes", "contiguous_shards", "empty_shard_dims", "local_range"]
+__all__ = ["chunk_sizes", "contiguous_shards", "empty_shard_dims", "local_range", "wrap_local"]
 
 
 def chunk_sizes(n: int, k: int) -> list[int]:
@@ -52,3 +54,14 @@ def local_range(shape: Any, mesh: Any, placements: Any, dim: int) -> tuple[int, 
             start += sum(sizes[: coord[mesh_dim]])
             size = sizes[coord[mesh_dim]]
     return start, size
+
+
+def wrap_local(local: Any, mesh: Any, placements: Any, shape: Any) -> Any:
+    """A handler's local result as a DTensor of global ``shape`` (contiguous strides), with
+    no communication (no shape gathering, no run check)."""
+    from vescale.dtensor.api import from_local
+
+    stride = torch.empty(tuple(shape), device="meta").stride()
+    return from_local(
+        local, mesh, list(placements), run_check=False, shape=torch.Size(shape), stride=stride
+    )

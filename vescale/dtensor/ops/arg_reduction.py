@@ -23,9 +23,9 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale.dtensor.api import from_local, wait_local
+from vescale.dtensor.api import wait_local
 from vescale.dtensor.dispatch import bypass_dispatch, python_dispatch
-from vescale.dtensor.ops._layout import contiguous_shards, local_range
+from vescale.dtensor.ops._layout import contiguous_shards, local_range, wrap_local
 from vescale.dtensor.placement_types import Placement, Replicate, Shard
 
 __all__ = ["arg_extremum", "sharded_topk"]
@@ -103,15 +103,6 @@ def _reduce(
     return val, idx, _output_placements(placements, dim, True, sharding), sharding
 
 
-def _as_dtensor(
-    local: torch.Tensor, x: _UpstreamDTensor, placements: list[Placement], shape: list[int]
-) -> Any:
-    stride = torch.empty(shape, device="meta").stride()
-    return from_local(
-        local, x.device_mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
-    )
-
-
 @bypass_dispatch(list(_LARGEST))
 def arg_extremum(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``argmax``/``argmin`` on DTensors (see module docstring)."""
@@ -131,7 +122,7 @@ def arg_extremum(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[
         idx = idx.squeeze(dim)
         del shape[dim]
         placements = _output_placements(tuple(x.placements), dim, False, sharding)
-    return _as_dtensor(idx, x, placements, shape)
+    return wrap_local(idx, x.device_mesh, placements, shape)
 
 
 @bypass_dispatch(aten.topk.default)
@@ -153,4 +144,6 @@ def sharded_topk(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[
     val, idx, placements, _ = _reduce(x, dim, k, bound.get("largest", True), first=False)
     shape = list(x.shape)
     shape[dim] = k
-    return _as_dtensor(val, x, placements, shape), _as_dtensor(idx, x, placements, shape)
+    return wrap_local(val, x.device_mesh, placements, shape), wrap_local(
+        idx, x.device_mesh, placements, shape
+    )

@@ -28,6 +28,7 @@ from vescale.dtensor.dispatch import (
     python_dispatch,
     redistribute_for,
 )
+from vescale.dtensor.ops._layout import wrap_local
 from vescale.dtensor.placement_types import Placement, Replicate
 
 __all__ = ["replicate_only", "sharded_unique"]
@@ -89,7 +90,7 @@ def sharded_unique(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dic
     empty = local.new_empty(0, dtype=torch.long)
     inverse = empty
     if bound.get("return_inverse", False):
-        inverse = _wrap_like(torch.searchsorted(merged, local), x)
+        inverse = wrap_local(torch.searchsorted(merged, local), mesh, x.placements, x.shape)
     global_counts: Any = _replicated(empty, mesh)
     if bound.get("return_counts", False):
         c = torch.zeros(merged.numel(), dtype=torch.long, device=local.device)
@@ -100,9 +101,3 @@ def sharded_unique(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dic
     if not isinstance(inverse, _UpstreamDTensor):
         inverse = _replicated(inverse, mesh)
     return _replicated(merged, mesh), inverse, global_counts
-
-
-def _wrap_like(local: torch.Tensor, x: _UpstreamDTensor) -> Any:
-    return from_local(
-        local, x.device_mesh, list(x.placements), run_check=False, shape=x.shape, stride=x.stride()
-    )

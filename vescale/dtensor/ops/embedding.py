@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale.dtensor.api import from_local, wait_local
+from vescale.dtensor.api import wait_local
 from vescale.dtensor.dispatch import bypass_dispatch, python_dispatch, redistribute_for
-from vescale.dtensor.ops._layout import contiguous_shards, local_range
+from vescale.dtensor.ops._layout import contiguous_shards, local_range, wrap_local
 from vescale.dtensor.placement_types import Partial, Placement, Replicate, Shard
 
 __all__ = ["vocab_parallel_embedding", "vocab_parallel_embedding_backward"]
@@ -84,15 +84,6 @@ def _local_rows(layout: Layout, indices: torch.Tensor) -> tuple[torch.Tensor, to
     return torch.where(mine, indices - start, torch.zeros_like(indices)), mine, rows
 
 
-def _wrap(
-    local: torch.Tensor, mesh: Any, placements: list[Placement], shape: tuple[int, ...]
-) -> Any:
-    stride = torch.empty(shape, device="meta").stride()
-    return from_local(
-        local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
-    )
-
-
 @bypass_dispatch(aten.embedding.default)
 def vocab_parallel_embedding(
     op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -113,7 +104,7 @@ def vocab_parallel_embedding(
     out = F.embedding(rows, wait_local(weight._local_tensor)) * mine.unsqueeze(-1)
     placements = _out_placements(layout, index_placements, indices.ndim + 1)
     _remember(indices, layout)
-    return _wrap(out, weight.device_mesh, placements, (*indices.shape, weight.shape[1]))
+    return wrap_local(out, weight.device_mesh, placements, (*indices.shape, weight.shape[1]))
 
 
 @bypass_dispatch(aten.embedding_dense_backward.default)
@@ -140,4 +131,4 @@ def vocab_parallel_embedding_backward(
         w if w.is_shard() else (Partial() if i.is_shard() else Replicate())
         for w, i in zip(w_placements, index_placements)
     ]
-    return _wrap(local, mesh, grad_placements, tuple(shape))
+    return wrap_local(local, mesh, grad_placements, tuple(shape))

@@ -10,16 +10,15 @@ global input: no communication added, exact for uneven shards.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale.dtensor.api import from_local, wait_local
+from vescale.dtensor.api import wait_local
 from vescale.dtensor.dispatch import bypass_dispatch, python_dispatch, redistribute_for
-from vescale.dtensor.ops._layout import contiguous_shards, local_range
+from vescale.dtensor.ops._layout import contiguous_shards, local_range, wrap_local
 from vescale.dtensor.placement_types import Partial, Placement, Replicate
 
 __all__ = [
@@ -114,23 +113,6 @@ def _all_reduce(t: torch.Tensor, op: str, mesh: Any, mesh_dims: list[int]) -> to
     return t
 
 
-def _wrap(
-    local: torch.Tensor,
-    like: _UpstreamDTensor,
-    placements: Sequence[Placement],
-    shape: Sequence[int],
-) -> Any:
-    stride = torch.empty(tuple(shape), device="meta").stride()
-    return from_local(
-        local,
-        like.device_mesh,
-        list(placements),
-        run_check=False,
-        shape=torch.Size(shape),
-        stride=stride,
-    )
-
-
 @bypass_dispatch(aten._log_softmax.default)
 def sharded_log_softmax(
     op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -155,7 +137,7 @@ def sharded_log_softmax(
     )
     shift = _all_reduce(shift, "max", mesh, mesh_dims)
     total = _all_reduce((local - shift).exp().sum(dim, keepdim=True), "sum", mesh, mesh_dims)
-    return _wrap(local - shift - total.log(), x, x.placements, x.shape)
+    return wrap_local(local - shift - total.log(), x.device_mesh, x.placements, x.shape)
 
 
 @bypass_dispatch(aten._log_softmax_backward_data.default)
@@ -175,7 +157,7 @@ def sharded_log_softmax_backward(
     total = _all_reduce(
         g.sum(dim, keepdim=True), "sum", out.device_mesh, _mesh_dims_sharding(out, dim)
     )
-    return _wrap(g - o.exp() * total, out, out.placements, out.shape)
+    return wrap_local(g - o.exp() * total, out.device_mesh, out.placements, out.shape)
 
 
 def _nll_layout(x: _UpstreamDTensor) -> tuple[list[int], list[int], int]:
@@ -259,10 +241,10 @@ def sharded_nll_loss(
             Partial() if i in loss_dims and i not in batch_dims else p
             for i, p in enumerate(t_placements)
         ]
-        out_t = _wrap(out, x, out_placements, target.shape)
+        out_t = wrap_local(out, x.device_mesh, out_placements, target.shape)
     else:
-        out_t = _wrap(out, x, partial, ())
-    return out_t, _wrap(total, x, total_placements, ())
+        out_t = wrap_local(out, x.device_mesh, partial, ())
+    return out_t, wrap_local(total, x.device_mesh, total_placements, ())
 
 
 @bypass_dispatch(aten.nll_loss_backward.default)
@@ -285,4 +267,6 @@ def sharded_nll_loss_backward(
     w_local = None if w is None else w[offset : offset + n_local]
     lt = _local_target(t, offset, n_local, ignore_index)
     out = torch.ops.aten.nll_loss_backward(g, local, lt, w_local, reduction, ignore_index, total)
-    return _wrap(out, x, [Replicate() if p.is_partial() else p for p in x.placements], x.shape)
+    return wrap_local(
+        out, x.device_mesh, [Replicate() if p.is_partial() else p for p in x.placements], x.shape
+    )
