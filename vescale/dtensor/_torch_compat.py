@@ -44,6 +44,8 @@ from torch.distributed.tensor._utils import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+from torch.utils._python_dispatch import TorchDispatchMode, return_and_correct_aliasing
+from torch.utils._pytree import tree_map
 
 __all__ = [
     "DYNAMO_COMPILER_FNS",
@@ -61,6 +63,7 @@ __all__ = [
     "OutputSharding",
     "StridedShard",
     "TensorMeta",
+    "TorchDispatchMode",
     "_mesh_resources",
     "aot_autograd",
     "are_we_tracing",
@@ -79,7 +82,9 @@ __all__ = [
     "register_op_strategy",
     "register_opaque_type",
     "resolve_process_group",
+    "return_and_correct_aliasing",
     "stable_topological_sort",
+    "tree_map",
     "upstream_dispatch_module",
     "upstream_redistribute_local_tensor",
 ]

@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
-from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from vescale.dtensor import api
 from vescale.dtensor._torch_compat import (
@@ -43,6 +42,7 @@ from vescale.dtensor._torch_compat import (
     compute_global_tensor_info,
     get_proxy_mode,
     redistribute_cost,
+    return_and_correct_aliasing,
     upstream_dispatch_module,
 )
 from vescale.dtensor.dtensor import DTensor
