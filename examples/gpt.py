@@ -10,8 +10,9 @@ into a DTensor model on a ``(dp, tp)`` mesh, Megatron-style:
 * the attention output projection and the second MLP linear are row-parallel (weight
   ``Shard(1)``); their ``Partial`` output is all-reduced to ``Replicate`` by a forward hook:
   the only forward collectives of a block;
-* the head is column-parallel; its class-sharded logits are all-gathered over tp before the
-  loss;
+* the head is column-parallel and its logits stay sharded over the vocabulary: the
+  cross-entropy runs on them as they are (two all-reduces of one value per token over tp, one
+  in backward: Megatron's vocabulary-parallel loss), never gathering the logits;
 * everything else is replicated; the batch is sharded over dp.
 
 Gradients of replicated parameters arrive ``Partial`` over dp; wrap the model in
@@ -134,7 +135,6 @@ PLAN: dict[str, tuple[Placement, ...]] = {
 OUTPUTS: dict[str, tuple[Placement, ...]] = {
     "blocks.*.attn.proj": (Shard(0), Replicate()),  # Partial over tp -> all-reduce
     "blocks.*.mlp.proj": (Shard(0), Replicate()),
-    "head": (Shard(0), Replicate()),  # class-sharded logits -> all-gather
 }
 INPUTS: tuple[Placement, ...] = (Shard(0), Replicate())  # token ids and targets
 

@@ -237,10 +237,10 @@ def _check_gpt_collectives(dump_root):
         eager_counts,
         Counter(r["kind"] for r in records),
     )
-    # forward: per block the two row-parallel all-reduces, the head's all-gather (tp), then
-    # the cross-entropy mean's global target count (dp)
+    # forward: per block the two row-parallel all-reduces, the vocabulary-parallel
+    # cross-entropy's two per-token all-reduces (tp), the mean's global target count (dp)
     forward = [(r["kind"], r["mesh_dim"]) for r in records if r["graph"].endswith("forward")]
-    assert forward == [("all_reduce", 1)] * 4 + [("all_gather", 1), ("all_reduce", 0)], forward
+    assert forward == [("all_reduce", 1)] * 6 + [("all_reduce", 0)], forward
     # backward: every parameter's gradient all-reduced over dp, once
     dp_grads = [r for r in records if r["graph"].endswith("backward") and r["mesh_dim"] == 0]
     n_params = len(list(model.parameters()))

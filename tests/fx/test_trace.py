@@ -90,12 +90,14 @@ def test_trace_gpt_block_at_512_ranks():
         if "forward" in r["graph"]
     ]
     # rank 0 holds 2 sequences of 8 tokens of width 64 (float32 = 4096 B): the two row-parallel
-    # all-reduces of the block, the all-gather of the class-sharded logits (64 / 32 = 2), then
-    # the cross-entropy mean's global target count (one float32 over dp)
+    # all-reduces of the block; the vocabulary-parallel cross-entropy's max and sum of
+    # exponentials, one float32 per token over tp (the logits are never gathered); the mean's
+    # global target count (one float32 over dp)
     assert fw == [
         ("all_reduce", 1, 4096),
         ("all_reduce", 1, 4096),
-        ("all_gather", 1, 2 * 8 * 2 * 4),
+        ("all_reduce", 1, 2 * 8 * 4),
+        ("all_reduce", 1, 2 * 8 * 4),
         ("all_reduce", 0, 4),
     ]
     bw = [r for r in result.collectives if "backward" in r["graph"]]

@@ -1,9 +1,14 @@
 """``eliminate``: drop collectives whose work is discarded or undone.
 
-* A collective whose waited result nobody uses is removed.
-* An all-gather whose result is only sliced back to this rank's own chunk (dim 0, the
-  gathered dim: ``slice``/``narrow`` or ``split`` + ``getitem``) is the identity on that
-  chunk: the slice is replaced by the all-gather's input (a redistribute ``S -> R -> S``).
+* A collective whose waited result nobody uses is removed, always (option or not): the
+  captured backward can hold forward computations AOTAutograd replays and never uses (e.g. a
+  vocabulary-parallel loss's max all-reduce), kept alive only because a collective is
+  impure. Eager never issues them; every rank compiles the same graph, so every rank drops
+  the same ones.
+* With ``ctx.options["eliminate"]``: an all-gather whose result is only sliced back to this
+  rank's own chunk (dim 0, the gathered dim: ``slice``/``narrow`` or ``split`` + ``getitem``)
+  is the identity on that chunk: the slice is replaced by the all-gather's input (a
+  redistribute ``S -> R -> S``), and the all-gather then goes as unused.
 
 Both rewrites are exact; ``ctx.reports["eliminated"]`` counts removed collectives.
 """
@@ -51,9 +56,28 @@ def _own_chunk(user: torch.fx.Node, rank: int, rows: int) -> torch.fx.Node | Non
 
 
 def eliminate(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    """Remove discarded and undone collectives (no-op unless ``ctx.options["eliminate"]``)."""
-    if not ctx.options.get("eliminate", False):
-        return gm
+    """Remove unused collectives; with ``ctx.options["eliminate"]`` also undone all-gathers."""
+    if ctx.options.get("eliminate", False):
+        _forward_own_chunks(gm)
+    removed, changed = 0, True
+    while changed:  # a dead chain may feed one collective into another
+        gm.graph.eliminate_dead_code()  # pure ops only: waits and collectives are impure
+        changed = False
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function" or node.target not in COLLECTIVE_KINDS:
+                continue
+            for w in [u for u in node.users if u.target is WAIT_TENSOR and not u.users]:
+                gm.graph.erase_node(w)
+            if not node.users:
+                gm.graph.erase_node(node)
+                removed += 1
+                changed = True
+    ctx.reports["eliminated"] = removed
+    return gm
+
+
+def _forward_own_chunks(gm: torch.fx.GraphModule) -> None:
+    """Slices of an all-gather back to this rank's own chunk read the all-gather's input."""
     for node in list(gm.graph.nodes):
         if node.target is not _c10d.all_gather_into_tensor.default or len(node.users) != 1:
             continue
@@ -67,15 +91,3 @@ def eliminate(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModul
             if chunk is not None and val is not None and val.shape == inp.meta["val"].shape:
                 chunk.replace_all_uses_with(inp)
     gm.graph.eliminate_dead_code()  # the slices now unused; waits and collectives stay (impure)
-    removed = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in COLLECTIVE_KINDS:
-            continue
-        for w in [u for u in node.users if u.target is WAIT_TENSOR and not u.users]:
-            gm.graph.erase_node(w)
-        if not node.users:
-            gm.graph.erase_node(node)
-            removed += 1
-    gm.graph.eliminate_dead_code()
-    ctx.reports["eliminated"] = removed
-    return gm
