@@ -11,7 +11,14 @@ import torch
 from vescale.dtensor._torch_compat import DTensorSpec, StridedShard
 from vescale.dtensor.placement_types import InterleavedShard
 
-__all__ = ["chunk_sizes", "contiguous_shards", "empty_shard_dims", "local_range", "wrap_local"]
+__all__ = [
+    "chunk_sizes",
+    "contiguous_shards",
+    "empty_shard_dims",
+    "local_range",
+    "sharding_mesh_dims",
+    "wrap_local",
+]
 
 
 def chunk_sizes(n: int, k: int) -> list[int]:
@@ -65,3 +72,8 @@ def wrap_local(local: Any, mesh: Any, placements: Any, shape: Any) -> Any:
     return from_local(
         local, mesh, list(placements), run_check=False, shape=torch.Size(shape), stride=stride
     )
+
+
+def sharding_mesh_dims(mesh: Any, placements: Any, dim: int) -> list[int]:
+    """Mesh dims (of more than one rank) that shard tensor dim ``dim``."""
+    return [i for i, p in enumerate(placements) if p.is_shard(dim) and mesh.size(i) > 1]

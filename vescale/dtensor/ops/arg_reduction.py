@@ -25,7 +25,12 @@ from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale.dtensor.api import wait_local
 from vescale.dtensor.dispatch import bypass_dispatch, python_dispatch
-from vescale.dtensor.ops._layout import contiguous_shards, local_range, wrap_local
+from vescale.dtensor.ops._layout import (
+    contiguous_shards,
+    local_range,
+    sharding_mesh_dims,
+    wrap_local,
+)
 from vescale.dtensor.placement_types import Placement, Replicate, Shard
 
 __all__ = ["arg_extremum", "sharded_topk"]
@@ -95,7 +100,7 @@ def _reduce(
 ) -> tuple[torch.Tensor, torch.Tensor, list[Placement], list[int]]:
     """(values, indices, output placements, sharding mesh dims) with ``dim`` kept (size k)."""
     mesh, placements = x.device_mesh, tuple(x.placements)
-    sharding = [i for i, p in enumerate(placements) if p.is_shard(dim) and mesh.size(i) > 1]
+    sharding = sharding_mesh_dims(mesh, placements, dim)
     start, _ = local_range(x.shape, mesh, placements, dim)
     val, idx = _candidates(wait_local(x._local_tensor), start, dim, k, largest, first)
     if sharding:
@@ -112,7 +117,7 @@ def arg_extremum(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[
     if not isinstance(x, _UpstreamDTensor) or dim is None or x.ndim == 0:
         return python_dispatch(op, args, kwargs)
     dim = dim % x.ndim
-    sharded = any(p.is_shard(dim) and x.device_mesh.size(i) > 1 for i, p in enumerate(x.placements))
+    sharded = bool(sharding_mesh_dims(x.device_mesh, x.placements, dim))
     if not sharded or any(p.is_partial() for p in x.placements) or not contiguous_shards(x):
         return python_dispatch(op, args, kwargs)
     _, idx, placements, sharding = _reduce(x, dim, 1, _LARGEST[op], first=True)

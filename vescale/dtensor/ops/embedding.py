@@ -28,7 +28,12 @@ from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale.dtensor.api import wait_local
 from vescale.dtensor.dispatch import bypass_dispatch, python_dispatch, redistribute_for
-from vescale.dtensor.ops._layout import contiguous_shards, local_range, wrap_local
+from vescale.dtensor.ops._layout import (
+    contiguous_shards,
+    local_range,
+    sharding_mesh_dims,
+    wrap_local,
+)
 from vescale.dtensor.placement_types import Partial, Placement, Replicate, Shard
 
 __all__ = ["vocab_parallel_embedding", "vocab_parallel_embedding_backward"]
@@ -52,7 +57,7 @@ def _layout(weight: _UpstreamDTensor) -> Layout:
 
 def _vocab_dims(layout: Layout) -> list[int]:
     _, mesh, placements = layout
-    return [i for i, p in enumerate(placements) if p.is_shard(0) and mesh.size(i) > 1]
+    return sharding_mesh_dims(mesh, placements, 0)
 
 
 def _index_placements(layout: Layout, indices: _UpstreamDTensor) -> list[Placement]:

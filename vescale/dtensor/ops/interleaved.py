@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale.dtensor._torch_compat import (
     DTensorSpec,
@@ -32,14 +31,13 @@ from vescale.dtensor._torch_compat import (
     OpStrategy,
     StridedShard,
     redistribute_cost,
-    register_op_strategy,
 )
+from vescale.dtensor.ops._registry import PROPAGATOR, wrap_upstream_strategy
 from vescale.dtensor.placement_types import Placement, Shard
 
 __all__ = ["interleaved_split_sizes"]
 
 aten = torch.ops.aten
-_propagator = _UpstreamDTensor._op_dispatcher.sharding_propagator
 _SPLITS = [aten.split.Tensor, aten.split_with_sizes.default]
 
 
@@ -210,17 +208,9 @@ def _cat_strategy(upstream: Callable[[OpSchema], Any]) -> Callable[[OpSchema], A
     return strategy
 
 
-def _register(
-    op: Any, wrap: Callable[[Callable[[OpSchema], Any]], Callable[[OpSchema], Any]]
-) -> None:
-    strategy = wrap(_propagator.op_strategy_funcs[op])
-    strategy.__name__ = f"interleaved_{op.__name__.replace('.', '_')}"
-    register_op_strategy(op, schema_info=_propagator.op_to_schema_info.get(op))(strategy)
-
-
 for _op in _SPLITS:
-    _register(_op, _split_strategy)
-    _propagator.op_to_scalar_shape_adjuster[_op] = _local_split
-_register(aten.slice.Tensor, _slice_strategy)
-_propagator.op_to_scalar_shape_adjuster[aten.slice.Tensor] = _local_slice
-_register(aten.cat.default, _cat_strategy)
+    wrap_upstream_strategy(_op, _split_strategy, "interleaved")
+    PROPAGATOR.op_to_scalar_shape_adjuster[_op] = _local_split
+wrap_upstream_strategy(aten.slice.Tensor, _slice_strategy, "interleaved")
+PROPAGATOR.op_to_scalar_shape_adjuster[aten.slice.Tensor] = _local_slice
+wrap_upstream_strategy(aten.cat.default, _cat_strategy, "interleaved")

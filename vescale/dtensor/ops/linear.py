@@ -10,14 +10,14 @@ single-input rule (output placements = input placements), which ``contiguous``, 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor as _UpstreamDTensor
+
+from vescale.dtensor.ops._registry import PROPAGATOR
 
 __all__ = ["PLACEMENT_PRESERVING_OPS"]
 
 aten = torch.ops.aten
 PLACEMENT_PRESERVING_OPS = [aten.clone.default]
 
-_propagator = _UpstreamDTensor._op_dispatcher.sharding_propagator
 for _op in PLACEMENT_PRESERVING_OPS:
-    assert _op in _propagator.op_strategy_funcs, f"{_op}: upstream's single-input rule is gone"
-    _propagator.op_single_dim_strategy_funcs.pop(_op, None)
+    assert _op in PROPAGATOR.op_strategy_funcs, f"{_op}: upstream's single-input rule is gone"
+    PROPAGATOR.op_single_dim_strategy_funcs.pop(_op, None)

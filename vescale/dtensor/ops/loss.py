@@ -18,7 +18,12 @@ from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale.dtensor.api import wait_local
 from vescale.dtensor.dispatch import bypass_dispatch, python_dispatch, redistribute_for
-from vescale.dtensor.ops._layout import contiguous_shards, local_range, wrap_local
+from vescale.dtensor.ops._layout import (
+    contiguous_shards,
+    local_range,
+    sharding_mesh_dims,
+    wrap_local,
+)
 from vescale.dtensor.placement_types import Partial, Placement, Replicate
 
 __all__ = [
@@ -100,7 +105,7 @@ def global_mean_loss(
 
 
 def _mesh_dims_sharding(t: _UpstreamDTensor, dim: int) -> list[int]:
-    return [i for i, p in enumerate(t.placements) if p.is_shard(dim) and t.device_mesh.size(i) > 1]
+    return sharding_mesh_dims(t.device_mesh, t.placements, dim)
 
 
 def _shard_only(t: object) -> bool:

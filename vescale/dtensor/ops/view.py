@@ -17,16 +17,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale.dtensor._torch_compat import (
     DTensorSpec,
     OpSchema,
     OpSpec,
     OpStrategy,
-    register_op_strategy,
 )
 from vescale.dtensor.ops._layout import empty_shard_dims
+from vescale.dtensor.ops._registry import wrap_upstream_strategy
 from vescale.dtensor.placement_types import Placement, Replicate
 
 __all__ = ["RETRIED_VIEW_OPS"]
@@ -38,7 +37,6 @@ RETRIED_VIEW_OPS = [
     aten.reshape.default,
     aten.expand.default,
 ]
-_propagator = _UpstreamDTensor._op_dispatcher.sharding_propagator
 
 
 def _with_input(schema: OpSchema, placements: tuple[Placement, ...]) -> OpSchema:
@@ -92,11 +90,8 @@ def _retrying(upstream: Callable[[OpSchema], Any]) -> Callable[[OpSchema], Any]:
                     continue
             raise err
 
-    strategy.__name__ = f"retrying_{getattr(upstream, '__name__', 'view_strategy')}"
     return strategy
 
 
 for _op in RETRIED_VIEW_OPS:
-    register_op_strategy(_op, schema_info=_propagator.op_to_schema_info.get(_op))(
-        _retrying(_propagator.op_strategy_funcs[_op])
-    )
+    wrap_upstream_strategy(_op, _retrying, "retrying")
