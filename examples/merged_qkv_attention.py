@@ -15,10 +15,10 @@ eager and compiled, and checks output and gradients against one device
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Callable
 from datetime import timedelta
 
+import gpt
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -49,25 +49,6 @@ class MergedQKVAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
-class SeparateQKVAttention(nn.Module):
-    """The same layer with separate q, k, v projections (the plain tensor-parallel baseline)."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = (
-            lin(x).view(b, t, self.heads, d // self.heads).transpose(1, 2)
-            for lin in (self.q, self.k, self.v)
-        )
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
-
-
 MERGED_PLAN: dict[str, list[Placement]] = {
     "qkv.*": [InterleavedShard(0, 3)],  # this rank's rows of Q, K and V
     "proj.weight": [Shard(1)],
@@ -81,10 +62,11 @@ def build(dim: int = 16, heads: int = 4, seed: int = 0) -> MergedQKVAttention:
     return MergedQKVAttention(dim, heads).double()
 
 
-def separate_copy(merged: MergedQKVAttention) -> SeparateQKVAttention:
-    """The same weights with q, k, v as three linears."""
+def separate_copy(merged: MergedQKVAttention) -> gpt.Attention:
+    """The same weights with q, k, v as three linears: the demo GPT's attention layer (the
+    plain tensor-parallel baseline)."""
     dim = merged.proj.in_features
-    out = SeparateQKVAttention(dim, merged.heads).double()
+    out = gpt.Attention(gpt.GPTConfig(dim=dim, heads=merged.heads)).double()
     with torch.no_grad():
         for lin, w, b in zip(
             (out.q, out.k, out.v), merged.qkv.weight.chunk(3), merged.qkv.bias.chunk(3)
@@ -98,14 +80,11 @@ def separate_copy(merged: MergedQKVAttention) -> SeparateQKVAttention:
 def parallelize(
     model: nn.Module, mesh: vescale.DeviceMesh, plan: dict[str, list[Placement]]
 ) -> nn.Module:
-    """Parameters become DTensors per ``plan`` (the rest replicated), in place; the output
-    projection's ``Partial`` result is all-reduced to ``Replicate``."""
-    for name, module in model.named_modules():
-        for pname, p in list(module.named_parameters(recurse=False)):
-            full = f"{name}.{pname}" if name else pname
-            placements = next((v for k, v in plan.items() if fnmatch.fnmatchcase(full, k)), [])
-            dt = vescale.distribute_tensor(p.detach(), mesh, placements or [Replicate()])
-            setattr(module, pname, nn.Parameter(dt))
+    """Parameters become DTensors per ``plan`` (the rest replicated), in place, each rank
+    slicing its own shards; the output projection's ``Partial`` result is all-reduced to
+    ``Replicate``."""
+    layout = {name: (mesh, placements) for name, placements in plan.items()}
+    vescale.materialize_module(model, {**layout, "*": (mesh, [Replicate()])})
     model.proj.register_forward_hook(  # type: ignore[union-attr]
         lambda _m, _a, y: y.redistribute(placements=[Replicate()])
     )
