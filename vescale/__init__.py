@@ -1,8 +1,11 @@
 """vescale: PyTorch-native distributed tensors and an SPMD compiler backend.
 
-Importing ``vescale`` registers the ``vescale`` torch.compile backend.
+Importing ``vescale`` registers the ``vescale`` torch.compile backend and installs
+``vescale._patches`` (the one table of changes to torch objects; each scoped to vescale
+DTensors or listed in ``docs/torch-changes.md``).
 """
 
+from vescale import _patches
 from vescale import backend as _backend
 from vescale.dtensor import (
     DeviceMesh,
@@ -47,4 +50,5 @@ __all__ = [
     "to_local",
 ]
 
+_patches.install()
 _backend.register()

@@ -31,7 +31,9 @@ from torch.distributed.tensor._op_schema import (
 )
 from torch.distributed.tensor._ops.utils import (
     expand_to_full_mesh_op_strategy,
-    register_op_strategy,
+)
+from torch.distributed.tensor._ops.utils import (
+    register_op_strategy as upstream_register_op_strategy,
 )
 from torch.distributed.tensor._redistribute import (
     redistribute_local_tensor as upstream_redistribute_local_tensor,
@@ -42,6 +44,7 @@ from torch.distributed.tensor._utils import (
     compute_global_tensor_info,
     compute_local_shape_and_global_offset,
 )
+from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 from torch.utils._python_dispatch import TorchDispatchMode, return_and_correct_aliasing
@@ -54,6 +57,7 @@ __all__ = [
     "ExplicitRedistributionContext",
     "FunctionalTensor",
     "LocalLRUCache",
+    "MaskPartial",
     "MemberType",
     "OpDispatcher",
     "OpInfo",
@@ -79,7 +83,6 @@ __all__ = [
     "maybe_run_for_local_tensor",
     "redistribute_cost",
     "register_backend",
-    "register_op_strategy",
     "register_opaque_type",
     "resolve_process_group",
     "return_and_correct_aliasing",
@@ -87,6 +90,7 @@ __all__ = [
     "tree_map",
     "upstream_dispatch_module",
     "upstream_redistribute_local_tensor",
+    "upstream_register_op_strategy",
 ]
 
 from_functional_tensor = torch._from_functional_tensor

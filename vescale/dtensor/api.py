@@ -30,7 +30,7 @@ from vescale.dtensor._torch_compat import (
     compute_global_tensor_info,
     compute_local_shape_and_global_offset,
 )
-from vescale.dtensor.dtensor import DTensor
+from vescale.dtensor.dtensor import DTensor, new_dtensor
 from vescale.dtensor.placement_types import (
     Placement,
     Replicate,
@@ -152,7 +152,7 @@ class _FromLocal(torch.autograd.Function):
         data = _broadcast_replicated(local, spec.mesh, spec.placements) if run_check else local
         if data is local:
             data = local.view_as(local)  # a fresh tensor object sharing the caller's memory
-        return DTensor(data, spec, requires_grad=local.requires_grad)  # type: ignore[call-arg]
+        return new_dtensor(data, spec, requires_grad=local.requires_grad)
 
     @staticmethod
     def backward(ctx: Any, grad: _UpstreamDTensor | None) -> tuple[Any, ...]:  # type: ignore[override]
@@ -189,7 +189,7 @@ class _ToLocal(torch.autograd.Function):
         gspec = make_spec(
             spec.mesh, placements, spec.shape, _global_stride(grad, spec.shape), grad.dtype
         )
-        return DTensor(grad, gspec, requires_grad=grad.requires_grad), None, None  # type: ignore[call-arg]
+        return new_dtensor(grad, gspec, requires_grad=grad.requires_grad), None, None
 
 
 class _Redistribute(torch.autograd.Function):
@@ -206,7 +206,7 @@ class _Redistribute(torch.autograd.Function):
             local = local.view_as(local)
         if _RECORDING[0]:
             record_redistribute(local, src.placements, placements)
-        return DTensor(local, dst, requires_grad=dt.requires_grad)  # type: ignore[call-arg]
+        return new_dtensor(local, dst, requires_grad=dt.requires_grad)
 
     @staticmethod
     def backward(ctx: Any, grad: _UpstreamDTensor) -> tuple[Any, ...]:  # type: ignore[override]
@@ -249,7 +249,7 @@ def distribute_tensor(
         if p.is_partial():
             local = replicate_to_partial(local, p.reduce_op, mesh._sym_get_coordinate(mesh_dim))  # type: ignore[attr-defined]
     spec = make_spec(mesh, pl, tensor.shape, tensor.stride(), tensor.dtype)
-    return DTensor(local.detach(), spec, requires_grad=tensor.requires_grad)  # type: ignore[call-arg]
+    return new_dtensor(local.detach(), spec, requires_grad=tensor.requires_grad)
 
 
 def from_local(

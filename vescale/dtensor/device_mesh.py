@@ -157,11 +157,11 @@ def init_device_mesh(
     )
 
 
-def _devices_per_host(device_type: str) -> int:
+def devices_per_host(device_type: str) -> int:
     """Upstream's cost model asks the device module how many devices a host has; the meta
-    device has no module (``torch.meta``), so a meta mesh counts one (as ``cpu`` does)."""
+    device has no module (``torch.meta``), so a meta mesh counts one (as ``cpu`` does).
+    Installed over ``_mesh_resources.num_devices_per_host`` by ``vescale._patches``."""
     return 1 if device_type == "meta" else _upstream_devices_per_host(device_type)
 
 
 _upstream_devices_per_host = _mesh_resources.num_devices_per_host
-_mesh_resources.num_devices_per_host = _devices_per_host  # type: ignore[method-assign]

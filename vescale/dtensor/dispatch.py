@@ -6,16 +6,25 @@ C++ fast path and pays nothing. A hooked op runs:
 
     pre_dispatch_patch* -> (bypass_dispatch | dispatch with bypass_sharding_prop) -> post_dispatch_patch*
 
+Scope: hooks apply to ops with a ``vescale.DTensor`` input; on upstream DTensors the op runs
+as upstream runs it. Likewise vescale-only propagation rules (:func:`vescale_propagation_rule`,
+and strategies that consult ``vescale_rules_active()``) apply only while an op with a vescale
+input propagates.
+
 Explicit mode (``VESCALE_DISABLE_REDISTRIBUTE``, default ``"1"``, or
-:func:`explicit_redistribute`): an op whose inputs would need a redistribution that
+:func:`explicit_redistribute`): an op whose vescale inputs would need a redistribution that
 communicates raises ``RuntimeError`` naming the op, the input placements and the placements
-the strategy wanted. Local steps (e.g. Replicate -> Shard) stay allowed; explicit
-``redistribute()`` calls always are. The rule covers the forward, the code users write:
-inside backward (the autograd engine running, eager or while AOTAutograd traces it) a
-redistribution is the adjoint of a layout the forward chose (e.g. the all-reduce of a
-column-parallel input's ``Partial`` gradient, or of cross-entropy's total weight) and no
-user code could annotate it, so it is allowed; compiled graphs still list it in
-``collectives.json`` with its reason.
+the strategy wanted (upstream DTensors keep upstream's implicit redistribution). Local steps
+(e.g. Replicate -> Shard) stay allowed; explicit ``redistribute()`` calls always are. The
+rule covers the forward, the code users write: inside backward (the autograd engine
+running, eager or while AOTAutograd traces it) a redistribution is the adjoint of a layout
+the forward chose (e.g. the all-reduce of a column-parallel input's ``Partial`` gradient, or
+of cross-entropy's total weight) and no user code could annotate it, so it is allowed;
+compiled graphs still list it in ``collectives.json`` with its reason.
+
+The replacements of upstream functions defined here (:func:`propagate_op_sharding`,
+:func:`observe_redistribution`, :func:`redistribute_for_dispatch`) are installed by
+``vescale._patches``, the one module that changes torch objects.
 """
 
 from __future__ import annotations
@@ -30,11 +39,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
+from vescale import _patches
 from vescale.dtensor import api
 from vescale.dtensor._torch_compat import (
     DTensorSpec,
     ExplicitRedistributionContext,
-    LocalLRUCache,
     OpSchema,
     OutputSharding,
     StridedShard,
@@ -45,8 +54,14 @@ from vescale.dtensor._torch_compat import (
     return_and_correct_aliasing,
     upstream_dispatch_module,
 )
-from vescale.dtensor.dtensor import DTensor
-from vescale.dtensor.placement_types import Placement, spec_placements
+from vescale.dtensor.dtensor import (
+    DTensor,
+    VescaleSpec,
+    as_vescale_spec,
+    is_vescale_spec,
+    vescale_rules,
+)
+from vescale.dtensor.placement_types import Placement, is_private_partial, spec_placements
 from vescale.dtensor.redistribute import redistribute_local_tensor
 
 __all__ = [
@@ -60,13 +75,17 @@ __all__ = [
     "bypass_sharding_prop",
     "explicit_redistribute",
     "explicit_redistribute_enabled",
+    "observe_redistribution",
     "plugin_op",
     "post_dispatch_patch",
     "pre_dispatch_patch",
+    "propagate_op_sharding",
+    "redistribute_for_dispatch",
     "unregister_bypass_dispatch",
     "unregister_bypass_sharding_prop",
     "unregister_post_dispatch_patch",
     "unregister_pre_dispatch_patch",
+    "vescale_propagation_rule",
 ]
 
 OpOverload = torch._ops.OpOverload
@@ -85,6 +104,7 @@ _bypass: dict[OpOverload, Handler] = {}
 _pre: dict[OpOverload, list[PrePatch]] = {}
 _post: dict[OpOverload, list[PostPatch]] = {}
 _prop: dict[OpOverload, PropFn] = {}
+_HANDLERS = "OpDispatcher._custom_op_handlers"
 
 
 def _ops(op: OpOverload | Sequence[OpOverload]) -> list[OpOverload]:
@@ -99,16 +119,41 @@ def _ops(op: OpOverload | Sequence[OpOverload]) -> list[OpOverload]:
 
 
 def _reinstall(op: OpOverload) -> None:
-    """Point the upstream handler table at the composition of ``op``'s hooks."""
+    """Point the upstream handler table (through the seam) at the composition of ``op``'s
+    hooks, scoped to ops with a vescale input."""
     if not (op in _bypass or op in _pre or op in _post or op in _prop):
-        if op in _upstream_handlers:
-            _handlers[op] = _upstream_handlers[op]
-        else:
-            _handlers.pop(op, None)
-    elif op in _bypass and op not in _pre and op not in _post:
-        _handlers[op] = _outside_dynamo(_bypass[op])  # the handler itself: no extra layer
-    else:
-        _handlers[op] = _hooked
+        _patches.restore_entry(_handlers, op)
+        return
+    fn = _bypass[op] if op in _bypass and op not in _pre and op not in _post else _hooked
+    why = "vescale hooks (ops with a vescale.DTensor input)"
+    _patches.set_entry(_handlers, _HANDLERS, op, _outside_dynamo(_scoped(fn)), why)
+
+
+def has_vescale_input(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether an op's arguments include a ``vescale.DTensor`` (directly or in a list)."""
+    for a in args:
+        if isinstance(a, DTensor):
+            return True
+        if isinstance(a, list | tuple) and any(isinstance(x, DTensor) for x in a):
+            return True
+    return any(isinstance(v, DTensor) for v in kwargs.values())
+
+
+def _upstream_op(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``op`` as upstream runs it: its own handler, else its dispatch steps."""
+    handler = _upstream_handlers.get(op)
+    return handler(op, args, kwargs) if handler else python_dispatch(op, args, kwargs)
+
+
+def _scoped(fn: Handler) -> Handler:
+    """``fn`` for ops with a vescale input; upstream's behaviour for all others."""
+
+    def scoped(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if has_vescale_input(args, kwargs):
+            return fn(op, args, kwargs)
+        return _upstream_op(op, args, kwargs)
+
+    return scoped
 
 
 def _outside_dynamo(fn: Handler) -> Handler:
@@ -151,6 +196,15 @@ def _as_output_spec(out: Any, mesh: Any) -> Any:
     raise TypeError(f"bypass_sharding_prop: expected placements or DTensorSpec(s), got {out!r}")
 
 
+def _mark_vescale(spec: Any) -> Any:
+    """Output spec(s) marked as vescale's (``None`` entries kept)."""
+    if isinstance(spec, DTensorSpec):
+        return as_vescale_spec(spec)
+    if isinstance(spec, list | tuple):
+        return type(spec)(_mark_vescale(s) for s in spec)
+    return spec
+
+
 def python_dispatch(
     op: OpOverload,
     args: tuple[Any, ...],
@@ -166,7 +220,10 @@ def python_dispatch(
     if propagate is None:
         _dispatcher.sharding_propagator.propagate(op_info)
     else:
-        op_info.output_sharding = OutputSharding(_as_output_spec(propagate(schema), mesh))
+        out_spec = _as_output_spec(propagate(schema), mesh)
+        if has_vescale_input(args, kwargs):
+            out_spec = _mark_vescale(out_spec)
+        op_info.output_sharding = OutputSharding(out_spec)
     local: Any = _dispatcher._dispatch_get_local_results_slow_path(op, args, op_info)
     sharding = op_info.output_sharding
     assert sharding is not None
@@ -323,11 +380,33 @@ def _describe_inputs(schema: OpSchema) -> str:
 
 _propagator = _dispatcher.sharding_propagator
 _upstream_propagate = _propagator.propagate_op_sharding_non_cached
+RuleFn = Callable[[OpSchema], OutputSharding]
+_vescale_rules: dict[OpOverload, RuleFn] = {}
 
 
-def _propagate_naming_placements(op_schema: OpSchema) -> OutputSharding:
+def vescale_propagation_rule(op: OpOverload | Sequence[OpOverload]) -> Callable[[RuleFn], RuleFn]:
+    """``@vescale_propagation_rule(op)``: ``fn(op_schema) -> OutputSharding`` decides ``op``'s
+    sharding when an input is a vescale DTensor (upstream's strategies decide otherwise)."""
+
+    def register(fn: RuleFn) -> RuleFn:
+        for o in _ops(op):
+            _vescale_rules[o] = fn
+        return fn
+
+    return register
+
+
+def propagate_op_sharding(op_schema: OpSchema) -> OutputSharding:
+    """Upstream's sharding propagation (cached by upstream's caches, C++ and Python, keyed
+    by the specs), with: vescale's rules and ``VescaleSpec`` outputs for ops with a vescale
+    input; and, for every DTensor, a missing strategy as :class:`UnsupportedOpError`."""
+    vescale = is_vescale_spec(op_schema.args_schema) or is_vescale_spec(
+        op_schema.kwargs_schema.values()
+    )
     try:
-        return _upstream_propagate(op_schema)  # type: ignore[no-any-return]
+        with vescale_rules(vescale):
+            rule = _vescale_rules.get(op_schema.op) if vescale else None
+            out = rule(op_schema) if rule is not None else _upstream_propagate(op_schema)
     except UnsupportedOpError:
         raise
     except NotImplementedError as err:
@@ -336,11 +415,9 @@ def _propagate_naming_placements(op_schema: OpSchema) -> OutputSharding:
             f"({err}); redistribute its inputs and call it on local tensors, or register a "
             f"strategy (vescale.dtensor.dispatch.bypass_sharding_prop)"
         ) from err
-
-
-# Misses only: the C++ sharding cache still answers every repeated call first.
-_propagator.propagate_op_sharding_non_cached = _propagate_naming_placements  # type: ignore[method-assign]
-_propagator.propagate_op_sharding = LocalLRUCache(_propagate_naming_placements)  # type: ignore[method-assign]
+    if vescale:
+        out.output_spec = _mark_vescale(out.output_spec)
+    return out  # type: ignore[no-any-return]
 
 
 # ---- explicit redistribution ------------------------------------------------------------
@@ -400,11 +477,13 @@ def _dynamo_propagating() -> bool:
 _upstream_observe = ExplicitRedistributionContext.observe_redistribution
 
 
-def _observe_redistribution(
+def observe_redistribution(
     cls: type, src_spec: DTensorSpec, dst_spec: DTensorSpec, redistribution_msg: Any
 ) -> None:
+    """Upstream's observer of implicit redistributions, plus explicit mode for vescale DTensors."""
     if (
-        explicit_redistribute_enabled()
+        type(src_spec) is VescaleSpec
+        and explicit_redistribute_enabled()
         and torch._C._current_graph_task_id() == -1  # not inside backward: see module docstring
         and not _dynamo_propagating()
         and redistribute_cost(src_spec, dst_spec) > 0
@@ -419,9 +498,6 @@ def _observe_redistribution(
             f"vescale.dtensor.explicit_redistribute(False)."
         )
     _upstream_observe(src_spec, dst_spec, redistribution_msg)
-
-
-ExplicitRedistributionContext.observe_redistribution = classmethod(_observe_redistribution)  # type: ignore[method-assign,assignment]
 
 
 def redistribute_for(op: OpOverload, t: _UpstreamDTensor, placements: Sequence[Placement]) -> Any:
@@ -448,19 +524,27 @@ class _OpMessage:
 # ---- implicit redistribution to Partial ---------------------------------------------------
 
 
-def _redistribute_for_dispatch(
+def redistribute_for_dispatch(
     local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, **kwargs: Any
 ) -> torch.Tensor:
-    """The dispatcher's input redistribution; steps that *target* a Partial (a linear op's
-    strategy asking for ``Shard -> Partial``, which upstream's planner refuses) and any
-    involving an interleaved (strided) shard go through vescale's planner."""
-    if any(
-        (d.is_partial() and s != d) or isinstance(s, StridedShard) or isinstance(d, StridedShard)
-        for s, d in zip(src.placements, dst.placements)
+    """The dispatcher's input redistribution. For vescale DTensors, steps that *target* a
+    ``Partial`` (a linear op's strategy asking for ``Shard -> Partial``, which upstream's
+    planner refuses) and any involving an interleaved (strided) shard go through vescale's
+    planner; everything else, and every step to or from a private partial placement such
+    as upstream's ``_MaskPartial`` (whose reduction masks and offsets an index), is
+    upstream's."""
+    if (
+        type(src) is VescaleSpec
+        and any(
+            (d.is_partial() and s != d)
+            or isinstance(s, StridedShard)
+            or isinstance(d, StridedShard)
+            for s, d in zip(src.placements, dst.placements)
+        )
+        and not any(is_private_partial(p) for p in (*src.placements, *dst.placements))
     ):
         return redistribute_local_tensor(local, src, dst, async_op=kwargs.get("async_op", False))
     return _upstream_dispatch_redistribute(local, src, dst, **kwargs)  # type: ignore[no-any-return]
 
 
 _upstream_dispatch_redistribute = upstream_dispatch_module.redistribute_local_tensor
-upstream_dispatch_module.redistribute_local_tensor = _redistribute_for_dispatch  # type: ignore[assignment]

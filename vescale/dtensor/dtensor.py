@@ -1,13 +1,20 @@
 """``vescale.DTensor``: upstream ``DTensor`` with veScale's conversion semantics.
 
-Every DTensor op output is a ``vescale.DTensor`` (upstream's dispatcher wraps outputs
-through ``OpDispatcher.wrap``, which we point at our class at import, before any DTensor
-op runs; the C++ fast path and its sharding cache are untouched).
+What is vescale's is marked on the spec: a ``vescale.DTensor`` carries a
+:class:`VescaleSpec`, equal to the ``DTensorSpec`` with the same fields but hashed apart, so
+upstream's sharding caches (C++ and Python) keep the results of ops on vescale DTensors
+apart from those on upstream DTensors. An op with a vescale input gets ``VescaleSpec``
+outputs (``dispatch.py`` marks them after propagation), and :func:`wrap_output` (upstream's
+``OpDispatcher.wrap``, replaced through ``vescale._patches``) builds a ``vescale.DTensor``
+for those and exactly what upstream builds otherwise. On a cache hit this costs one type
+check per output; upstream DTensors keep upstream's classes and behaviour.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +26,71 @@ from vescale.dtensor._torch_compat import DTensorSpec, OpDispatcher
 from vescale.dtensor.device_mesh import DeviceMesh
 from vescale.dtensor.placement_types import Placement
 
-__all__ = ["DTensor"]
+__all__ = [
+    "DTensor",
+    "VescaleSpec",
+    "as_vescale_spec",
+    "is_vescale_spec",
+    "vescale_rules",
+    "vescale_rules_active",
+    "wrap_output",
+]
+
+
+class VescaleSpec(DTensorSpec):
+    """The spec of a ``vescale.DTensor``: equal to the ``DTensorSpec`` with the same fields,
+    hashed apart (so sharding caches keep vescale's results apart), and AOTAutograd's stable
+    hash tells the two apart too."""
+
+    def _hash_impl(self) -> int:
+        return hash((VescaleSpec, self._hash_key()))
+
+    def _stable_hash(self) -> str:
+        return "vescale:" + super()._stable_hash()
+
+    def shallow_copy_with_tensor_meta(self, tensor_meta: Any) -> DTensorSpec:
+        return as_vescale_spec(super().shallow_copy_with_tensor_meta(tensor_meta))
+
+
+def as_vescale_spec(spec: DTensorSpec) -> VescaleSpec:
+    """``spec`` marked as vescale's (the same object if it already is)."""
+    if type(spec) is VescaleSpec:
+        return spec
+    out = object.__new__(VescaleSpec)
+    out.__dict__.update(spec.__dict__)
+    out.__dict__["_hash"] = None
+    return out
+
+
+def is_vescale_spec(specs: Iterable[Any]) -> bool:
+    """Whether any of ``specs`` (specs, or lists of specs, as in an ``OpSchema``) is vescale's."""
+    for s in specs:
+        if type(s) is VescaleSpec:
+            return True
+        if isinstance(s, list | tuple) and any(type(x) is VescaleSpec for x in s):
+            return True
+    return False
+
+
+_rules = threading.local()
+
+
+def vescale_rules_active() -> bool:
+    """Whether the sharding propagation running now is for an op with a vescale input, so
+    vescale-only strategy rules apply (upstream's rules otherwise)."""
+    return bool(getattr(_rules, "on", False))
+
+
+@contextlib.contextmanager
+def vescale_rules(on: bool = True) -> Iterator[None]:
+    """Propagate with vescale's rules (``on``) or upstream's in this scope and thread; the
+    dispatcher sets it per op, and direct callers of strategies (the plan path) use it."""
+    prev = getattr(_rules, "on", False)
+    _rules.on = on
+    try:
+        yield
+    finally:
+        _rules.on = prev
 
 
 class DTensor(_UpstreamDTensor):
@@ -64,6 +135,7 @@ class DTensor(_UpstreamDTensor):
             inner_tensors, flatten_spec, outer_size, outer_stride
         )
         out.__class__ = DTensor
+        out._spec = as_vescale_spec(out._spec)
         return out  # type: ignore[return-value]
 
 
@@ -71,27 +143,31 @@ _upstream_wrap = OpDispatcher.wrap
 _new_dtensor = _UpstreamDTensor.__new__  # C++ ``_dtensor__new__``: sets _local_tensor and _spec
 
 
-def _wrap(res: object, spec: object) -> object:
-    """Upstream's output wrapping, producing ``vescale.DTensor``.
+def new_dtensor(local: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool) -> DTensor:
+    """A ``vescale.DTensor`` holding ``local`` laid out as ``spec`` (marked vescale's)."""
+    spec = as_vescale_spec(spec)
+    if torch.compiler.is_exporting():
+        return DTensor(local, spec, requires_grad=requires_grad)  # type: ignore[call-arg]
+    return _new_dtensor(DTensor, local, spec, requires_grad=requires_grad)  # type: ignore[return-value]
 
-    Outside ``torch.export`` the object is built by ``__new__`` alone: upstream's
+
+def wrap_output(res: object, spec: object) -> object:
+    """Upstream's ``OpDispatcher.wrap``, producing ``vescale.DTensor`` for vescale specs.
+
+    Outside ``torch.export`` a vescale output is built by ``__new__`` alone: upstream's
     ``__init__`` does nothing but pass through two Python wrappers (dynamo-disable and the
     export constructor hook), which cost ~1.2 us per op output.
     """
     if _RECORDING[0]:
         record_placements(res, spec)
     if isinstance(res, torch.Tensor):
-        if isinstance(spec, DTensorSpec):
-            if torch.compiler.is_exporting():
-                return DTensor(res, spec, requires_grad=res.requires_grad)  # type: ignore[call-arg]
-            return _new_dtensor(DTensor, res, spec, requires_grad=res.requires_grad)
+        if type(spec) is VescaleSpec:
+            return new_dtensor(res, spec, requires_grad=res.requires_grad)
         return _upstream_wrap(res, spec)
     if isinstance(res, list | tuple) and isinstance(spec, list | tuple):
-        out = [_wrap(r, s) for r, s in zip(res, spec)]
+        out = [wrap_output(r, s) for r, s in zip(res, spec)]
         return tuple(out) if isinstance(res, tuple) else out
     return _upstream_wrap(res, spec)
 
-
-OpDispatcher.wrap = staticmethod(_wrap)  # type: ignore[method-assign,assignment]
 
 from vescale.dtensor import api  # noqa: E402  (api imports DTensor from here)

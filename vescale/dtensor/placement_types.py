@@ -50,6 +50,13 @@ _REDUCE_OP_NAMES: dict[Any, str] = {
 _REDUCE_OP_STRINGS = frozenset(_REDUCE_OP_NAMES.values())
 
 
+def is_private_partial(p: object) -> bool:
+    """A partial placement of upstream's own making (``_MaskPartial``, ``_NormPartial``, ...):
+    its reduction is its own (e.g. masking and offsetting an index) and only upstream's
+    planner performs it."""
+    return isinstance(p, _UpstreamPartial) and type(p) not in (_UpstreamPartial, Partial)
+
+
 class _PartialMeta(type(_UpstreamPartial)):  # type: ignore[misc]
     def __instancecheck__(cls, instance: object) -> bool:
         return isinstance(instance, _UpstreamPartial)

@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
+from vescale._patches import register_op_strategy
 from vescale.dtensor._torch_compat import (
     DTensorSpec,
     OpSchema,
     OpStrategy,
     expand_to_full_mesh_op_strategy,
-    register_op_strategy,
 )
 from vescale.dtensor.ops._layout import empty_shard_dims
 from vescale.dtensor.placement_types import Partial, Placement, Replicate, Shard

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
+from vescale._patches import register_op_strategy
 from vescale.dtensor._torch_compat import (
     OpSchema,
     OpStrategy,
     expand_to_full_mesh_op_strategy,
-    register_op_strategy,
 )
 from vescale.dtensor.api import from_local
 from vescale.dtensor.dispatch import (

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from vescale._patches import set_entry
 from vescale.dtensor._torch_compat import (
     DTensorSpec,
     OpSchema,
@@ -208,9 +209,22 @@ def _cat_strategy(upstream: Callable[[OpSchema], Any]) -> Callable[[OpSchema], A
     return strategy
 
 
+_ADJUSTERS = "ShardingPropagator.op_to_scalar_shape_adjuster"
 for _op in _SPLITS:
     wrap_upstream_strategy(_op, _split_strategy, "interleaved")
-    PROPAGATOR.op_to_scalar_shape_adjuster[_op] = _local_split
+    set_entry(
+        PROPAGATOR.op_to_scalar_shape_adjuster,
+        _ADJUSTERS,
+        _op,
+        _local_split,
+        "local split sizes of interleaved shards",
+    )
 wrap_upstream_strategy(aten.slice.Tensor, _slice_strategy, "interleaved")
-PROPAGATOR.op_to_scalar_shape_adjuster[aten.slice.Tensor] = _local_slice
+set_entry(
+    PROPAGATOR.op_to_scalar_shape_adjuster,
+    _ADJUSTERS,
+    aten.slice.Tensor,
+    _local_slice,
+    "local slice bounds of interleaved shards",
+)
 wrap_upstream_strategy(aten.cat.default, _cat_strategy, "interleaved")

@@ -2,15 +2,18 @@
 
 Upstream registers ``clone`` as a generic pointwise op, whose rule reduces a ``Partial``
 input first (an all-reduce, or the explicit-mode error): cloning is the identity on each
-rank's value, so the sum of clones is the clone of the sum. ``clone`` goes back to upstream's
-single-input rule (output placements = input placements), which ``contiguous``, ``alias`` and
-``detach`` already use. Both eager and the compiler see it (one registry).
+rank's value, so the sum of clones is the clone of the sum. For vescale DTensors ``clone``
+keeps its input's placements, as ``contiguous``, ``alias`` and ``detach`` already do
+upstream; upstream DTensors keep upstream's rule. Both eager and the compiler see it (one
+registry: the rule is consulted inside the sharding propagator).
 """
 
 from __future__ import annotations
 
 import torch
 
+from vescale.dtensor._torch_compat import DTensorSpec, OpSchema, OutputSharding, TensorMeta
+from vescale.dtensor.dispatch import vescale_propagation_rule
 from vescale.dtensor.ops._registry import PROPAGATOR
 
 __all__ = ["PLACEMENT_PRESERVING_OPS"]
@@ -18,6 +21,12 @@ __all__ = ["PLACEMENT_PRESERVING_OPS"]
 aten = torch.ops.aten
 PLACEMENT_PRESERVING_OPS = [aten.clone.default]
 
-for _op in PLACEMENT_PRESERVING_OPS:
-    assert _op in PROPAGATOR.op_strategy_funcs, f"{_op}: upstream's single-input rule is gone"
-    PROPAGATOR.op_single_dim_strategy_funcs.pop(_op, None)
+
+@vescale_propagation_rule(PLACEMENT_PRESERVING_OPS)
+def _keep_placements(op_schema: OpSchema) -> OutputSharding:
+    """Output placements = input placements, no redistribution."""
+    spec = op_schema.args_schema[0]
+    assert isinstance(spec, DTensorSpec)
+    meta = PROPAGATOR._propagate_tensor_meta_non_cached(op_schema)
+    assert meta is None or isinstance(meta, TensorMeta)
+    return OutputSharding(DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta))
