@@ -34,6 +34,19 @@ __all__ = [
 ]
 
 from vescale.dtensor import ops  # noqa: F401  (registers vescale op behaviour)
+from vescale.dtensor._utils import allclose, equal
 from vescale.dtensor.dispatch import explicit_redistribute
+from vescale.dtensor.factory import arange, empty, full, ones, rand, randn, zeros
 
-__all__ += ["explicit_redistribute"]
+__all__ += [
+    "allclose",
+    "arange",
+    "empty",
+    "equal",
+    "explicit_redistribute",
+    "full",
+    "ones",
+    "rand",
+    "randn",
+    "zeros",
+]

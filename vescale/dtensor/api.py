@@ -389,3 +389,11 @@ def _placements(self: _UpstreamDTensor) -> tuple[Placement, ...]:
 DTensor.placements = property(_placements)  # type: ignore[assignment,method-assign]
 torch._dynamo.allow_in_graph(from_local)  # like upstream DTensor.from_local: one graph call
 DTensor.from_local = staticmethod(from_local)  # type: ignore[assignment,method-assign]
+
+from vescale.dtensor._legacy import (  # noqa: E402  (veScale legacy's names; _legacy needs DTensor)
+    vescale_all_gather,
+    vescale_all_reduce,
+    vescale_reduce_scatter,
+)
+
+__all__ += ["vescale_all_gather", "vescale_all_reduce", "vescale_reduce_scatter"]

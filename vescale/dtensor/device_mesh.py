@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh as _UpstreamDeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _upstream_init_device_mesh
 
 from vescale.dtensor._torch_compat import _mesh_resources
+from vescale.dtensor.redistribute import flatten_mesh_dims
 
 __all__ = ["DeviceMesh", "as_vescale_mesh", "init_device_mesh", "known_meshes"]
 
@@ -36,6 +37,9 @@ class DeviceMesh(_UpstreamDeviceMesh):
       ranks (no new group is created); with ``mesh`` too, both must list the same ranks.
     * ``device_type="meta"``: a shape-only mesh for planning; no process group is needed
       or created.
+    * veScale legacy's keywords: ``_init_process_groups=False`` is upstream's
+      ``_init_backend=False`` (no process groups; collectives on the mesh then fail);
+      ``_validate_mesh`` (default True) checks, locally, that ranks are unique and fit the world.
     """
 
     def __init__(
@@ -45,15 +49,20 @@ class DeviceMesh(_UpstreamDeviceMesh):
         *,
         mesh_dim_names: tuple[str, ...] | None = None,
         pg: dist.ProcessGroup | None = None,
+        _validate_mesh: bool = True,
+        _init_process_groups: bool = True,
         **upstream_kwargs: Any,
     ) -> None:
+        if not _init_process_groups:
+            upstream_kwargs.setdefault("_init_backend", False)
         if pg is not None:
             ranks = dist.get_process_group_ranks(pg)
             if mesh is not None:
                 given = torch.as_tensor(mesh).flatten().tolist()
                 if given != ranks:
                     raise ValueError(
-                        f"DeviceMesh: mesh {given} and process group ranks {ranks} differ"
+                        f"DeviceMesh: mesh {given} and process group ranks {ranks} differ; "
+                        f"they must have the same content"
                     )
             super().__init__(
                 device_type,
@@ -66,12 +75,33 @@ class DeviceMesh(_UpstreamDeviceMesh):
             register_mesh(self)
             return
         if mesh is None and not upstream_kwargs:
-            raise ValueError("DeviceMesh: pass mesh=, pg=, or both")
+            raise ValueError("DeviceMesh: mesh or pg must be provided! (pass mesh=, pg=, or both)")
+        if _validate_mesh and mesh is not None:
+            _check_ranks(device_type, mesh)
         if device_type == "meta":
             upstream_kwargs.setdefault("_init_backend", False)
             upstream_kwargs.setdefault("_rank", dist.get_rank() if dist.is_initialized() else 0)
         super().__init__(device_type, mesh, mesh_dim_names=mesh_dim_names, **upstream_kwargs)
         register_mesh(self)
+
+    def get_dim_groups(
+        self, mesh_dim: int | None = None
+    ) -> dist.ProcessGroup | list[dist.ProcessGroup]:
+        """veScale legacy's name: the process group of ``mesh_dim``, or of every mesh dim."""
+        if not getattr(self, "_dim_group_names", None):
+            raise RuntimeError(f"DeviceMesh process groups not initialized! ({self})")
+        if mesh_dim is None:
+            return [self.get_group(i) for i in range(self.ndim)]
+        return self.get_group(mesh_dim)
+
+    @property
+    def _dim_group_infos(self) -> list[tuple[str, list[int], str]]:
+        """veScale legacy's per-mesh-dim ``(tag, ranks, group name)`` of this rank's groups."""
+        groups = self.get_dim_groups() if getattr(self, "_dim_group_names", None) else []
+        return [
+            (dist.distributed_c10d._get_group_tag(g), dist.get_process_group_ranks(g), g.group_name)
+            for g in groups  # type: ignore[union-attr]
+        ]
 
     def get_rank(self) -> int:
         """This process's global rank (a meta mesh answers without a process group)."""
@@ -133,6 +163,18 @@ class DeviceMesh(_UpstreamDeviceMesh):
         return res
 
 
+def _check_ranks(device_type: str, mesh: Any) -> None:
+    """Ranks in ``mesh`` are unique and (with a default group) fit the world size."""
+    ranks = torch.as_tensor(mesh).flatten()
+    if ranks.unique().numel() != ranks.numel():
+        raise RuntimeError(f"DeviceMesh cannot have duplicate values, but found {ranks.tolist()}")
+    if device_type != "meta" and dist.is_initialized() and ranks.numel() > dist.get_world_size():
+        raise RuntimeError(
+            f"DeviceMesh of {ranks.numel()} ranks {ranks.tolist()} is bigger than the world "
+            f"size {dist.get_world_size()}"
+        )
+
+
 def as_vescale_mesh(mesh: _UpstreamDeviceMesh) -> DeviceMesh:
     """Return ``mesh`` typed as ``vescale.DeviceMesh`` (same object; no state is added)."""
     if not isinstance(mesh, DeviceMesh):
@@ -152,9 +194,11 @@ def init_device_mesh(
     if device_type == "meta":
         ranks = torch.arange(int(torch.Size(mesh_shape).numel()), dtype=torch.int)
         return DeviceMesh("meta", ranks.reshape(mesh_shape), mesh_dim_names=mesh_dim_names)
-    return as_vescale_mesh(
+    mesh = as_vescale_mesh(
         _upstream_init_device_mesh(device_type, mesh_shape, mesh_dim_names=mesh_dim_names, **kwargs)
     )
+    flatten_mesh_dims(mesh)  # multi-dim reductions: one collective over the flattened group
+    return mesh
 
 
 def devices_per_host(device_type: str) -> int:

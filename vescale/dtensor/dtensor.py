@@ -99,6 +99,19 @@ class DTensor(_UpstreamDTensor):
     ``DTensor.from_local`` is :func:`vescale.from_local` (bound in ``api.py``).
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> DTensor:
+        """Upstream's ``(local, spec, *, requires_grad)`` or veScale legacy's ``(local, mesh,
+        placements, *, shape, dtype, requires_grad, stride)`` (see ``_legacy.construct``)."""
+        from vescale.dtensor._legacy import construct
+
+        return construct(cls, *args, **kwargs)  # type: ignore[no-any-return]
+
+    def tolist(self) -> Any:
+        """veScale legacy's ``tolist``: this rank's local values (see ``_legacy.tolist``)."""
+        from vescale.dtensor._legacy import tolist
+
+        return tolist(self)
+
     def to_local(  # type: ignore[override]
         self,
         *,

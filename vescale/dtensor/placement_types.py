@@ -172,6 +172,15 @@ register_opaque_type(
 )
 
 
+def _is_interleaved_shard(self: Placement, dim: int | None = None) -> bool:
+    """veScale legacy's ``Placement.is_interleaved_shard``: False except on ``InterleavedShard``."""
+    return False
+
+
+# legacy code asks every placement (upstream's Shard/Replicate/Partial included)
+Placement.is_interleaved_shard = _is_interleaved_shard  # type: ignore[attr-defined]
+
+
 def spec_placements(placements: Sequence[Placement]) -> tuple[Placement, ...]:
     """``placements`` as a ``DTensorSpec`` carries them: ``InterleavedShard`` -> ``_StridedShard``."""
     return tuple(p.to_strided() if isinstance(p, InterleavedShard) else p for p in placements)
