@@ -2,10 +2,13 @@
 
     python benchmarks/dispatch_overhead.py [--batches 300 --calls 20]
 
-Each variant runs in its own process (upstream without vescale imported, since importing
-vescale changes what every DTensor op returns), on the single-process ``fake`` process
-group with a 2-rank mesh, one thread, 64x64 float32 CPU tensors. A figure is the median over
-``batches`` of the mean time of ``calls`` back-to-back calls, in microseconds.
+Each variant runs in its own process, on the single-process ``fake`` process group with a
+2-rank mesh, one thread, 64x64 float32 CPU tensors: ``upstream`` is upstream DTensor without
+vescale imported, ``up+import`` the same upstream program in a process that imported vescale
+(it must cost what it cost before), ``vescale`` vescale DTensors, ``vescale+hook`` with a
+hook registered on an op the benchmark never calls. Placement ``mixed`` is ``Shard(0)`` op
+``Replicate`` (the Replicate input is sliced locally by dispatch). A figure is the median
+over ``batches`` of the mean time of ``calls`` back-to-back calls, in microseconds.
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ import time
 from typing import Any
 
 OPS = ["add", "mul", "relu", "mm", "addmm", "view", "sum", "layer_norm", "softmax"]
-PLACEMENTS = ["Replicate", "Shard(0)"]
-VARIANTS = ["torch", "upstream", "vescale", "vescale+hook"]
+PLACEMENTS = ["Replicate", "Shard(0)", "mixed"]
+MIXED_OPS = ["add", "mul"]
+VARIANTS = ["torch", "upstream", "up+import", "vescale", "vescale+hook"]
 
 
 def _op_fns(torch: Any, F: Any, x: Any, y: Any, c: Any, w: Any, *, sharded: bool) -> dict[str, Any]:
+    if sharded is None:  # mixed: x Shard(0), y Replicate
+        return {"add": lambda: x + y, "mul": lambda: x * y}
     return {
         "add": lambda: x + x,
         "mul": lambda: x * x,
@@ -46,6 +52,8 @@ def _worker(variant: str, batches: int, calls: int) -> dict[str, float]:
     if variant.startswith("vescale"):
         from vescale import Replicate, Shard, distribute_tensor, init_device_mesh
     else:
+        if variant == "up+import":
+            import vescale  # noqa: F401
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     if variant == "vescale+hook":  # a hook on an op the benchmark never calls
@@ -69,8 +77,9 @@ def _worker(variant: str, batches: int, calls: int) -> dict[str, float]:
             y = distribute_tensor(b, mesh, [Replicate()])
             c = distribute_tensor(bias, mesh, [Replicate()])
             w = distribute_tensor(ln_w, mesh, [Replicate()])
-        fns = _op_fns(torch, F, x, y, c, w, sharded=pname != "Replicate")
-        for op in OPS:
+        sharded = None if pname == "mixed" else pname != "Replicate"
+        fns = _op_fns(torch, F, x, y if variant != "torch" else b, c, w, sharded=sharded)  # type: ignore[arg-type]
+        for op in MIXED_OPS if pname == "mixed" else OPS:
             fn = fns[op]
             for _ in range(200):
                 fn()
@@ -100,22 +109,21 @@ def main() -> None:
         cmd += ["--batches", str(args.batches), "--calls", str(args.calls)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         runs[variant] = json.loads(out.strip().splitlines()[-1])
-    head = f"{'op':<11} {'placement':<10} {'torch':>7} {'upstream':>9} {'vescale':>8} {'v+hook':>7}"
-    print(head + f" {'vescale/up':>10} {'hook/up':>8}")
-    ratios, hook_ratios = [], []
+    head = f"{'op':<11} {'placement':<10} {'torch':>7} {'upstream':>9} {'up+import':>9}"
+    head += f" {'vescale':>8} {'v+hook':>7} {'up+imp/up':>9} {'vescale/up':>10} {'hook/up':>8}"
+    print(head)
+    ratios: dict[str, list[float]] = {"up+import": [], "vescale": [], "vescale+hook": []}
     for key in runs["upstream"]:
         op, pname = key.split("/")
-        t, u, v, h = (runs[k][key] for k in VARIANTS)
-        ratios.append(v / u)
-        hook_ratios.append(h / u)
+        t, u, ui, v, h = (runs[k][key] for k in VARIANTS)
+        for name, value in (("up+import", ui), ("vescale", v), ("vescale+hook", h)):
+            ratios[name].append(value / u)
         print(
-            f"{op:<11} {pname:<10} {t:>7.2f} {u:>9.2f} {v:>8.2f} {h:>7.2f} {v / u:>10.2f} {h / u:>8.2f}"
+            f"{op:<11} {pname:<10} {t:>7.2f} {u:>9.2f} {ui:>9.2f} {v:>8.2f} {h:>7.2f}"
+            f" {ui / u:>9.2f} {v / u:>10.2f} {h / u:>8.2f}"
         )
-    print(
-        f"median over {len(ratios)} op/placement pairs: vescale/upstream = "
-        f"{statistics.median(ratios):.2f}x, vescale+hook/upstream = "
-        f"{statistics.median(hook_ratios):.2f}x (microseconds per call)"
-    )
+    medians = ", ".join(f"{k}/upstream = {statistics.median(r):.2f}x" for k, r in ratios.items())
+    print(f"median over {len(ratios['vescale'])} op/placement pairs: {medians} (us per call)")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ back to upstream torch (tests use it). :func:`describe` lists the table for the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ __all__ = [
     "register_op_strategy",
     "remove_entry",
     "set_entry",
+    "temporarily",
     "uninstall",
 ]
 
@@ -157,6 +159,18 @@ def register_op_strategy(
         return fn
 
     return register
+
+
+@contextlib.contextmanager
+def temporarily(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """``owner.name = value`` inside the ``with`` block only (e.g. the plan path's strategy
+    queries without upstream's cost estimates), restored on exit."""
+    saved = _own(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        _put(owner, name, saved)
 
 
 def _attribute_table() -> list[_Attribute]:
