@@ -21,6 +21,7 @@ from vescale.dtensor._utils import (
     gather_local_tensor_shape,
 )
 from vescale.dtensor.api import vescale_all_gather, vescale_all_reduce, vescale_reduce_scatter
+from vescale.dtensor.random import is_rng_supported_mesh, manual_seed
 
 
 def _rank_tensor(r: int, *shape: int) -> torch.Tensor:
@@ -251,6 +252,24 @@ def _check_equal_and_utils() -> None:
         shapes = gather_local_tensor_shape(local, mesh2, pl)
         shape, stride = compute_global_tensor_info(local, mesh2, pl, shapes)
         assert (shape, stride) == (list(g.shape), list(g.stride()))
+
+
+def _check_manual_seed() -> None:
+    mesh = mesh_of((4,))
+    manual_seed(3, mesh)
+    ref = torch.rand(4, 4)
+    manual_seed(3, mesh)
+    d = vdt.rand(4, 4, device_mesh=mesh, placements=[Shard(0)])
+    torch.testing.assert_close(d.full_tensor(), ref, rtol=0, atol=0)
+    assert is_rng_supported_mesh(mesh)
+    with pytest.raises(
+        ValueError, match=r"manual_seed: ranks passed different seeds \[0, 1, 2, 3\]"
+    ):
+        manual_seed(dist.get_rank(), mesh)
+
+
+def test_manual_seed(pool4):
+    pool4.run(_check_manual_seed)
 
 
 def test_equal_allclose_and_layout_helpers(pool4):

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from vescale.dtensor._torch_compat import StridedShard
 from vescale.dtensor.dispatch import bypass_dispatch
@@ -391,3 +392,24 @@ def _dtensor_random(
 
 for _op in RANDOM_OPS:
     bypass_dispatch(_op)(_dtensor_random)
+
+
+# ---- veScale legacy's seeding API ------------------------------------------------------
+
+
+def manual_seed(seed: int, device_mesh: Any = None, tp_dim: int = 0) -> None:
+    """veScale legacy's ``manual_seed(seed, device_mesh)``: seed torch's default generator
+    with ``seed`` on every rank (random ops on DTensors give the single-device values when all
+    ranks start from the same state). Call it on every rank of the default group; a rank
+    given a different seed raises ``ValueError`` (one object all-gather)."""
+    if dist.is_initialized():
+        seeds: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(seeds, int(seed))
+        if len(set(seeds)) != 1:
+            raise ValueError(f"manual_seed: ranks passed different seeds {seeds} ({device_mesh})")
+    torch.manual_seed(seed)
+
+
+def is_rng_supported_mesh(device_mesh: Any) -> bool:
+    """veScale legacy's check; vescale's random ops support every mesh device type."""
+    return True
