@@ -176,7 +176,7 @@ def temporarily(owner: Any, name: str, value: Any) -> Iterator[None]:
 def _attribute_table() -> list[_Attribute]:
     from torch.distributed.tensor import DTensor
 
-    from vescale.dtensor import device_mesh, dispatch, dtensor
+    from vescale.dtensor import device_mesh, dispatch, dtensor, placement_types
     from vescale.dtensor._torch_compat import (
         ExplicitRedistributionContext,
         LocalLRUCache,
@@ -226,6 +226,12 @@ def _attribute_table() -> list[_Attribute]:
             "num_devices_per_host",
             device_mesh.devices_per_host,
             "all DTensors: the cost model on meta meshes (torch.meta has no device module)",
+        ),
+        _Attribute(
+            placement_types.Placement,
+            "is_interleaved_shard",
+            placement_types.legacy_is_interleaved_shard,
+            "all placements: veScale legacy's query (False but on InterleavedShard)",
         ),
     ]
 

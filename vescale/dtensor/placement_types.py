@@ -172,13 +172,10 @@ register_opaque_type(
 )
 
 
-def _is_interleaved_shard(self: Placement, dim: int | None = None) -> bool:
-    """veScale legacy's ``Placement.is_interleaved_shard``: False except on ``InterleavedShard``."""
+def legacy_is_interleaved_shard(self: Placement, dim: int | None = None) -> bool:
+    """veScale legacy's ``Placement.is_interleaved_shard``: False except on ``InterleavedShard``
+    (legacy code asks every placement, upstream's included; installed by ``vescale._patches``)."""
     return False
-
-
-# legacy code asks every placement (upstream's Shard/Replicate/Partial included)
-Placement.is_interleaved_shard = _is_interleaved_shard  # type: ignore[attr-defined]
 
 
 def spec_placements(placements: Sequence[Placement]) -> tuple[Placement, ...]:
