@@ -241,17 +241,19 @@ def _check_gpt_collectives(dump_root):
     # cross-entropy's two per-token all-reduces (tp), the mean's global target count (dp)
     forward = [(r["kind"], r["mesh_dim"]) for r in records if r["graph"].endswith("forward")]
     assert forward == [("all_reduce", 1)] * 6 + [("all_reduce", 0)], forward
-    # backward: every parameter's gradient all-reduced over dp, once
-    dp_grads = [r for r in records if r["graph"].endswith("backward") and r["mesh_dim"] == 0]
+    # backward: every parameter's gradient all-reduced over dp, once (a gradient Partial over
+    # tp too: one all-reduce over the flattened dp x tp group, mesh_dim None)
+    dp_grads = [
+        r for r in records if r["graph"].endswith("backward") and r["mesh_dim"] in (0, None)
+    ]
     n_params = len(list(model.parameters()))
     assert (
         sum(r["source"].startswith("distributed_data_parallel.py:") for r in dp_grads) == n_params
     )
     for r in records:
         assert r["bytes"] > 0 and re.fullmatch(r"[\w.]+\.py:\d+", r["source"]), r
-        assert r["group_ranks"] == (
-            [rank % 2, rank % 2 + 2] if r["mesh_dim"] == 0 else [rank // 2 * 2, rank // 2 * 2 + 1]
-        ), r
+        groups = {0: [rank % 2, rank % 2 + 2], 1: [rank // 2 * 2, rank // 2 * 2 + 1]}
+        assert r["group_ranks"] == groups.get(r["mesh_dim"], [0, 1, 2, 3]), r
 
 
 def test_gpt_collectives_match_eager(pool4):

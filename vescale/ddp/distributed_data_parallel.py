@@ -8,6 +8,8 @@ as they are).
 
 * Eagerly: :class:`vescale.ddp.reducer.Reducer` hooks, bucketed (``bucket_cap_mb``) and issued
   asynchronously as gradients become ready, waited at the end of backward, like torch DDP.
+  A gradient reduced over several mesh dims takes one all-reduce over their flattened group,
+  made here, at construction, for each parameter's replicated mesh dims.
 * Under ``torch.compile``: every DTensor parameter goes through an identity redistribution
   (``p -> p.placements``) in the forward, whose backward reduces its gradient; so the
   reductions are inside the traced backward graph, where the compiler's passes bucket and
@@ -24,6 +26,7 @@ from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale.ddp.reducer import Reducer
 from vescale.dtensor.api import redistribute_dtensor
+from vescale.dtensor.redistribute import flattened_mesh
 
 __all__ = ["DistributedDataParallel"]
 
@@ -43,7 +46,12 @@ class DistributedDataParallel(nn.Module):
             for name, p in module.named_parameters()
             if isinstance(p, _UpstreamDTensor) and p.requires_grad
         ]
-        self._reducer = Reducer([module.get_parameter(n) for n in self._synced], bucket_cap_mb)
+        params: list[Any] = [module.get_parameter(n) for n in self._synced]
+        for p in params:
+            flattened_mesh(
+                p.device_mesh, [i for i, q in enumerate(p.placements) if q.is_replicate()]
+            )
+        self._reducer = Reducer(params, bucket_cap_mb)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.compiler.is_compiling():

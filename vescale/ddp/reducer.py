@@ -4,10 +4,11 @@ Each DTensor parameter gets a post-accumulate-grad hook. When its gradient is ac
 the mesh dims where the gradient is ``Partial("sum" | "avg")`` and the parameter is
 ``Replicate`` are the dims to all-reduce. Gradients with the same dims, reduce op, mesh and
 dtype fill a bucket in the order they become ready; a bucket over ``bucket_cap_mb`` is
-flattened into one buffer and all-reduced asynchronously (one functional all-reduce per mesh
-dim) while backward goes on. At the end of backward (an autograd engine callback) the
-remaining buckets are issued, every bucket is waited, and each parameter's ``.grad`` becomes
-a DTensor in the parameter's placements. Any other gradient layout is redistributed on its
+flattened into one buffer and all-reduced asynchronously while backward goes on: one
+functional all-reduce over the flattened group of its mesh dims (one per mesh dim where the
+mesh cannot be flattened, see :func:`vescale.dtensor.redistribute.flattened_mesh`). At the
+end of backward (an autograd engine callback) the remaining buckets are issued, every bucket
+is waited, and each parameter's ``.grad`` becomes a DTensor in the parameter's placements. Any other gradient layout is redistributed on its
 own to the parameter's placements.
 """
 
@@ -21,6 +22,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale.dtensor.api import from_local, redistribute_dtensor, wait_local
+from vescale.dtensor.redistribute import flattened_mesh
 
 __all__ = ["Reducer"]
 
@@ -75,8 +77,10 @@ class Reducer:
     def _issue(self, bucket: _Bucket) -> None:
         locals_ = [wait_local(p.grad._local_tensor).reshape(-1) for p in bucket.params]  # type: ignore[union-attr]
         flat = torch.cat(locals_)
-        for dim in bucket.dims:
-            flat = funcol.all_reduce(flat, bucket.reduce_op, (bucket.mesh, dim))
+        merged = flattened_mesh(bucket.mesh, bucket.dims)
+        groups = [merged] if merged is not None else [(bucket.mesh, d) for d in bucket.dims]
+        for group in groups:
+            flat = funcol.all_reduce(flat, bucket.reduce_op, group)
         bucket.flat = flat
         self.issued.append(bucket)
 

@@ -10,11 +10,24 @@ keep the value on every coordinate. A ``_StridedShard`` on a multi-dim mesh goes
 dim at a time (upstream's multi-dim planner mis-orders those): from the first mesh dim that
 changes, every later one is brought to Replicate innermost first, then laid out as the target
 outermost first, each step a one-mesh-dim redistribution of the tensor as that mesh dim sees it.
+
+A reduction over several mesh dims at once (``(Partial, Partial) -> (Replicate, Replicate)``,
+``(Partial, Partial) -> (Shard(d), Shard(d))``) is one collective over the flattened group of
+those dims: :func:`flattened_mesh` creates upstream's flattened mesh (``DeviceMesh._flatten``)
+on first use and upstream's planner merges the per-dim steps into one collective on it. One
+reduction in one order gives every rank the same bits (two sequential ones need not).
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
 import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
 from vescale.dtensor._torch_compat import (
     AsyncCollectiveTensor,
@@ -27,7 +40,58 @@ from vescale.dtensor._torch_compat import (
 )
 from vescale.dtensor.placement_types import Partial, Placement, Replicate
 
-__all__ = ["redistribute_local_tensor", "replicate_to_partial", "wait_local"]
+__all__ = [
+    "flatten_mesh_dims",
+    "flattened_mesh",
+    "meta_shard",
+    "redistribute_local_tensor",
+    "replicate_to_partial",
+    "wait_local",
+]
+
+_flattened: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Any]] = weakref.WeakKeyDictionary()
+
+
+def flattened_mesh(mesh: Any, mesh_dims: Sequence[int]) -> Any:
+    """The 1-D mesh over ``mesh_dims`` of ``mesh`` flattened (upstream ``DeviceMesh._flatten``;
+    upstream's planner uses it, once it exists, for one collective over those dims), created on
+    first use; ``None`` for fewer than two dims, a meta or unnamed mesh, or a mesh whose root
+    does not span the world (creating a group is collective over every rank). Never created
+    while compiling (Dynamo cannot trace group creation): compiled code finds the meshes that
+    :func:`vescale.init_device_mesh` or ``DistributedDataParallel`` made beforehand."""
+    dims = tuple(sorted(set(mesh_dims)))
+    if len(dims) < 2 or mesh.device_type == "meta" or not mesh.mesh_dim_names:
+        return None
+    known = _flattened.setdefault(mesh, {})
+    if dims in known or torch.compiler.is_compiling() or not dist.is_initialized():
+        return known.get(dims)
+    flat = None
+    if mesh._get_root_mesh().size() == dist.get_world_size():
+        names = tuple(mesh.mesh_dim_names[d] for d in dims)
+        with _disable_current_modes():
+            flat = mesh[names]._flatten()
+    known[dims] = flat
+    return flat
+
+
+def flatten_mesh_dims(mesh: Any) -> None:
+    """Flattened meshes for every set of two or more of ``mesh``'s dims (see
+    :func:`flattened_mesh`), so reductions traced by Dynamo, which cannot create process
+    groups, find them too. A 2-D mesh over the world adds one mesh and no new group."""
+    for n in range(2, mesh.ndim + 1):
+        for dims in itertools.combinations(range(mesh.ndim), n):
+            flattened_mesh(mesh, dims)
+
+
+def _flatten_reductions(src: DTensorSpec, mid: Sequence[Placement]) -> None:
+    """Flattened meshes for the mesh dims that ``src -> mid`` reduces to the same placement
+    (``Partial("sum" | "avg")`` sources, which upstream merges)."""
+    by_target: dict[Placement, list[int]] = {}
+    for mesh_dim, (s, m) in enumerate(zip(src.placements, mid)):
+        if isinstance(s, Partial) and not m.is_partial() and s.reduce_op in ("sum", "avg"):
+            by_target.setdefault(m, []).append(mesh_dim)
+    for dims in by_target.values():
+        flattened_mesh(src.mesh, dims)
 
 
 def wait_local(t: torch.Tensor) -> torch.Tensor:
@@ -61,9 +125,18 @@ def redistribute_local_tensor(
         raise ValueError(f"redistribute: cannot move between meshes {src.mesh} and {dst.mesh}")
     if src.placements == dst.placements:
         return local
+    if src.mesh.device_type == "meta":
+        return meta_shard(local, src.shape, dst)
     if _has_strided(src, dst) and src.mesh.ndim > 1:
         return _by_mesh_dim(local, src, dst, async_op)
     return _direct(local, src, dst, async_op)
+
+
+def meta_shard(local: torch.Tensor, shape: torch.Size, dst: DTensorSpec) -> torch.Tensor:
+    """On a meta mesh (shape-only planning): this rank's shard of a global ``shape`` laid
+    out as ``dst``, an empty tensor like ``local``; nothing is communicated."""
+    local_shape, _ = compute_local_shape_and_global_offset(shape, dst.mesh, dst.placements)
+    return local.new_empty(local_shape)
 
 
 def _direct(
@@ -76,6 +149,7 @@ def _direct(
         for s, d in zip(src.placements, dst.placements)
     )
     if mid != src.placements:
+        _flatten_reductions(src, mid)
         mid_spec = DTensorSpec(src.mesh, mid, tensor_meta=src.tensor_meta)
         local = upstream_redistribute_local_tensor(
             local, src, mid_spec, async_op=async_op, is_explicit=True
