@@ -3,17 +3,25 @@
 A record: ``kind``, ``group_ranks``, ``mesh_dim`` (the mesh dim whose process group it
 uses, when a known mesh owns that group), ``dtype``, ``bytes`` (of this rank's input),
 ``bucket`` (id or None), ``source`` (``file.py:line`` of the user code that caused it),
-``graph``.
+``graph``, ``waited`` (``"in graph"``, or ``"after graph"`` for a collective whose result
+leaves the graph unwaited: its wait lies in a later region).
+
+Graph boundaries: a compiled region may receive the result of a collective issued before it
+(an ``AsyncCollectiveTensor`` input: the graph starts with a ``wait_tensor`` on a graph input,
+:func:`inflight_inputs`) and may return a collective's result unwaited (:func:`unwaited_outputs`).
 """
 
 from __future__ import annotations
 
+import math
+import operator
 import os
 import re
 from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from vescale.dtensor._torch_compat import resolve_process_group
 from vescale.dtensor.device_mesh import known_meshes
@@ -25,9 +33,13 @@ __all__ = [
     "attach_records",
     "collective_table",
     "group_name",
+    "inflight_inputs",
     "node_bytes",
+    "numel_hint",
+    "unwaited_outputs",
     "user_line_of_stack",
     "user_source",
+    "waited_node",
 ]
 
 _c10d = torch.ops._c10d_functional
@@ -59,6 +71,7 @@ class CollectiveRecord(TypedDict):
     bucket: int | None
     source: str
     graph: str
+    waited: str
 
 
 def user_source(node: torch.fx.Node) -> str:
@@ -76,6 +89,57 @@ def user_line_of_stack(stack_trace: str) -> str:
         return ""
     path, line = user[-1]
     return f"{path.rsplit('/', 1)[-1]}:{line}"
+
+
+def waited_node(wait: torch.fx.Node) -> torch.fx.Node:
+    """The node whose result ``wait`` (a ``wait_tensor``) waits for."""
+    arg = wait.args[0]
+    if not isinstance(arg, torch.fx.Node):
+        raise TypeError(f"wait_tensor %{wait.name} waits on {arg!r}, not a graph node")
+    return arg
+
+
+def _is_collective(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in COLLECTIVE_KINDS
+
+
+def _issued_in_graph(node: torch.fx.Node) -> bool:
+    """``node`` is a collective, or an item of a coalesced collective's result list."""
+    return _is_collective(node) or (
+        node.target is operator.getitem
+        and isinstance(node.args[0], torch.fx.Node)
+        and _is_collective(node.args[0])
+    )
+
+
+def inflight_inputs(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """Tensors whose collective was issued before this graph (typically graph inputs that
+    arrived as an ``AsyncCollectiveTensor``) -> the ``wait_tensor`` nodes on them, in graph
+    order. Until waited, such a tensor's buffer is still being written: every other use of
+    it must come after its first wait."""
+    out: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is WAIT_TENSOR:
+            arg = waited_node(node)
+            if not _issued_in_graph(arg):
+                out.setdefault(arg, []).append(node)
+    return out
+
+
+def unwaited_outputs(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Collectives whose result the graph returns without waiting for it (their wait lies in
+    a later region), in graph order."""
+    output = next(iter(reversed(gm.graph.nodes)))
+    returned = set(output.all_input_nodes) if output.op == "output" else set()
+    out = []
+    for node in gm.graph.nodes:
+        if not _is_collective(node):
+            continue
+        results = [node] + [u for u in node.users if u.target is operator.getitem]
+        waited = any(u.target is WAIT_TENSOR for r in results for u in r.users)
+        if not waited and any(r in returned for r in results):
+            out.append(node)
+    return out
 
 
 def group_name(node: torch.fx.Node) -> str:
@@ -97,7 +161,13 @@ def _mesh_dim(group_name: str) -> int | None:
 def node_bytes(node: object) -> int:
     """Bytes of the tensor an FX node produces (its ``meta["val"]``); 0 if it has none."""
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return int(val.numel()) * val.element_size() if isinstance(val, torch.Tensor) else 0
+    return numel_hint(val) * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def numel_hint(t: torch.Tensor) -> int:
+    """``t.numel()`` of a graph value, symbolic sizes at their example value, adding no
+    guard (an estimate that read a dynamic size as an int would specialize it)."""
+    return math.prod(optimization_hint(s) for s in t.shape)
 
 
 def _nbytes(node: torch.fx.Node) -> tuple[str, int]:
@@ -111,6 +181,7 @@ def _nbytes(node: torch.fx.Node) -> tuple[str, int]:
 def collective_table(gm: torch.fx.GraphModule, graph: str) -> list[CollectiveRecord]:
     """One record per collective node of ``gm``, in graph order."""
     out: list[CollectiveRecord] = []
+    after = set(unwaited_outputs(gm))
     for node in gm.graph.nodes:
         kind = COLLECTIVE_KINDS.get(node.target) if node.op == "call_function" else None
         if kind is None:
@@ -128,6 +199,7 @@ def collective_table(gm: torch.fx.GraphModule, graph: str) -> list[CollectiveRec
                 bucket=custom.get("vescale_bucket"),
                 source=", ".join(custom.get("vescale_sources") or [user_source(node)]),
                 graph=graph,
+                waited="after graph" if node in after else "in graph",
             )
         )
     return out

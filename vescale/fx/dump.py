@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vescale.fx.collectives import COLLECTIVE_KINDS, user_source
+from vescale.fx.collectives import COLLECTIVE_KINDS, inflight_inputs, user_source
 
 __all__ = ["graph_text"]
 
@@ -20,8 +20,13 @@ def _fmt(arg: object) -> str:
 
 def graph_text(gm: torch.fx.GraphModule, title: str) -> str:
     """``gm`` as text: ``%name = target(args)``, then shape/dtype, placements, the bucket a
-    node packs or unpacks and, for a collective, ``<< kind  N B  mesh dim d  @ file.py:line``."""
+    node packs or unpacks and, for a collective, ``<< kind  N B  mesh dim d  @ file.py:line``
+    (``, waited after this graph`` when the graph returns it unwaited). Graph boundaries: an
+    input whose collective was issued before the graph is marked ``in flight``, its wait
+    ``wait on input %x: collective issued before this graph``."""
     lines = [f"# {title}"]
+    inflight = inflight_inputs(gm)
+    before = {w: v for v, ws in inflight.items() for w in ws}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             text = f"%{node.name} = input"
@@ -48,13 +53,21 @@ def graph_text(gm: torch.fx.GraphModule, title: str) -> str:
             notes.append("(" + ", ".join(custom["vescale_placements"]) + ")" + via)
         if "vescale_redistribute" in custom:
             notes.append(f"redistribute {custom['vescale_redistribute']}")
+        if node in inflight:
+            notes.append(
+                f"in flight: collective issued before this graph, waited by "
+                f"%{inflight[node][0].name}"
+            )
+        if node in before:
+            notes.append(f"wait on input %{before[node].name}: collective issued before this graph")
         if "vescale_bucket" in custom:
             notes.append(f"bucket {custom['vescale_bucket']}")
         coll = custom.get("vescale_collective")
         if node.target in COLLECTIVE_KINDS and coll:
             mesh_dim = "" if coll["mesh_dim"] is None else f"  mesh dim {coll['mesh_dim']}"
+            after = ", waited after this graph" if coll.get("waited") == "after graph" else ""
             notes.append(
-                f"<< {coll['kind']}  {coll['bytes']} B{mesh_dim}  @ {coll['source'] or '?'}"
+                f"<< {coll['kind']}{after}  {coll['bytes']} B{mesh_dim}  @ {coll['source'] or '?'}"
             )
         elif node.op == "call_function" and (src := user_source(node)):
             notes.append(f"@ {src}")

@@ -5,7 +5,9 @@ Two lanes per graph: ``compute`` (nodes run one after another) and ``communicati
 until its collective ends. Durations are static estimates from shapes only, identical on
 every rank: matrix products at ``FLOPS``, other ops at memory bandwidth ``MEM_BPS`` over
 their output, collectives ``LATENCY_US`` + bytes over ``LINK_BPS``. They order and size
-events for reading; they are not measurements.
+events for reading; they are not measurements. A collective issued before the graph (an
+input waited in it) is drawn as issued at the graph's start, sized by the tensor it delivers
+(the worst case: issued just before the graph); one the graph returns unwaited has no wait.
 """
 
 from __future__ import annotations
@@ -15,8 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR, node_bytes
+from vescale.fx.collectives import (
+    COLLECTIVE_KINDS,
+    WAIT_TENSOR,
+    inflight_inputs,
+    node_bytes,
+    numel_hint,
+)
 
 __all__ = ["estimate_us", "timeline", "write_schedule_json"]
 
@@ -39,8 +48,8 @@ def estimate_us(node: torch.fx.Node) -> float:
         return LATENCY_US + node_bytes(node.all_input_nodes[0]) / LINK_BPS * 1e6
     out = node.meta.get("val")
     if node.target in _MATMUL and isinstance(out, torch.Tensor):
-        inner = node.all_input_nodes[-1].meta["val"].shape[-2]
-        return 2.0 * out.numel() * inner / FLOPS * 1e6
+        inner = optimization_hint(node.all_input_nodes[-1].meta["val"].shape[-2])
+        return 2.0 * numel_hint(out) * inner / FLOPS * 1e6
     return node_bytes(node) / MEM_BPS * 1e6
 
 
@@ -49,6 +58,12 @@ def timeline(gm: torch.fx.GraphModule, graph: str) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
     compute_t = comm_t = 0.0
     ends: dict[torch.fx.Node, float] = {}
+    for node in inflight_inputs(gm):
+        dur = LATENCY_US + node_bytes(node) / LINK_BPS * 1e6
+        events.append(
+            _event(f"issued before this graph %{node.name}", comm_t, dur, graph, "communication")
+        )
+        comm_t = ends[node] = comm_t + dur
     for node in gm.graph.nodes:
         dur = estimate_us(node)
         if node.op == "call_function" and node.target in COLLECTIVE_KINDS:
@@ -65,17 +80,19 @@ def timeline(gm: torch.fx.GraphModule, graph: str) -> list[dict[str, Any]]:
             lane, name = "compute", str(node.target).removeprefix("aten.")
         else:
             continue
-        events.append(
-            {
-                "name": f"{name} %{node.name}",
-                "ph": "X",
-                "ts": round(start, 3),
-                "dur": round(dur, 3),
-                "pid": graph,
-                "tid": lane,
-            }
-        )
+        events.append(_event(f"{name} %{node.name}", start, dur, graph, lane))
     return events
+
+
+def _event(name: str, start: float, dur: float, graph: str, lane: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "ph": "X",
+        "ts": round(start, 3),
+        "dur": round(dur, 3),
+        "pid": graph,
+        "tid": lane,
+    }
 
 
 def write_schedule_json(path: Path, gm: torch.fx.GraphModule, graph: str) -> None:

@@ -4,7 +4,9 @@
   no placements from tracing; they get the placements of the op output they feed
   (``vescale_placements``) and its name (``vescale_placements_from``), when all their users agree.
 * Verification: every collective's result is consumed by a ``wait_tensor`` (placed after the
-  collective) before any other use. Collective records (``collectives.json``) are attached by
+  collective) before any other use, or returned unwaited (a later region waits for it); a
+  graph input whose collective was issued before the graph is read only after its wait.
+  ``ctx.reports["boundary"]``: those inputs and the collectives returned unwaited. Collective records (``collectives.json``) are attached by
   the pass manager after every pass.
 """
 
@@ -15,7 +17,12 @@ from typing import Any
 
 import torch
 
-from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR
+from vescale.fx.collectives import (
+    COLLECTIVE_KINDS,
+    WAIT_TENSOR,
+    inflight_inputs,
+    unwaited_outputs,
+)
 from vescale.passes.manager import PassContext
 
 __all__ = ["annotate"]
@@ -68,20 +75,34 @@ def annotate(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule
     """Annotate placements and verify (see module docstring)."""
     ctx.reports["inherited_placements"] = _inherit_placements(gm)
     verify_waits(gm, ctx.graph_name)
+    ctx.reports["boundary"] = {
+        "inflight_inputs": [n.name for n in inflight_inputs(gm)],
+        "unwaited_outputs": [n.name for n in unwaited_outputs(gm)],
+    }
     return gm
 
 
 def verify_waits(gm: torch.fx.GraphModule, graph_name: str) -> None:
     """Every collective's result reaches its users only through a ``wait_tensor`` that comes
-    after the collective (``RuntimeError`` naming the node otherwise)."""
+    after the collective, or leaves the graph unwaited (returned: a later region waits). A
+    tensor whose collective was issued before the graph is read only after its first wait.
+    ``RuntimeError`` naming the node otherwise."""
     seen: set[torch.fx.Node] = set()
+    first_wait = {v: ws[0] for v, ws in inflight_inputs(gm).items()}
     for node in gm.graph.nodes:
         seen.add(node)
+        early = [a for a in node.all_input_nodes if a in first_wait and first_wait[a] not in seen]
+        if early and node.target is not WAIT_TENSOR:
+            raise RuntimeError(
+                f"{graph_name}: %{node.name} reads %{early[0].name}, whose collective was "
+                f"issued before this graph, before its wait_tensor %{first_wait[early[0]].name}"
+            )
         if node.op != "call_function" or node.target not in COLLECTIVE_KINDS:
             if node.target is WAIT_TENSOR and node.args[0] not in seen:
                 raise RuntimeError(f"{graph_name}: %{node.name} waits before its collective")
             continue
-        direct = [u for u in node.users if u.target not in (WAIT_TENSOR, operator.getitem)]
+        allowed = (WAIT_TENSOR, operator.getitem)
+        direct = [u for u in node.users if u.target not in allowed and u.op != "output"]
         if direct:
             raise RuntimeError(
                 f"{graph_name}: {node.target} result %{node.name} is used by "

@@ -4,11 +4,14 @@ Selection is ours, deterministic from graph order alone (so every rank, holding 
 graph, makes the same buckets and issues them in the same order):
 
 * candidates are all-reduce, all-gather and reduce-scatter nodes whose only user is their
-  ``wait_tensor``;
+  ``wait_tensor``: never a collective the graph returns unwaited (its wait lies in a later
+  region), and a collective issued before the graph (an input waited in it) is not in the
+  graph to merge;
 * walking the graph in order, a candidate joins the open bucket of its key while the
   bucket stays under ``bucket_cap_mb`` (largest of input/output bytes, as upstream), it does
   not depend on a member, and it comes before every non-collective use of a member's result;
-  the merged collective is issued where the last member was. A collective consuming a
+  the merged collective is issued where the last member was (after every wait its members'
+  inputs follow, in-flight inputs' included). A collective consuming a
   member's result (e.g. the tensor-parallel all-reduce after the data-parallel one of a
   ``(Partial, Partial)`` gradient) moves after the bucket (stable topological sort), where it
   can bucket with its own kind;

@@ -10,6 +10,10 @@
   is the identity on that chunk: the slice is replaced by the all-gather's input (a
   redistribute ``S -> R -> S``), and the all-gather then goes as unused.
 
+Graph boundaries are left alone: a ``wait_tensor`` on a tensor whose collective was issued
+before the graph is kept even when nothing reads its result (it still completes the
+collective), and a collective the graph returns unwaited is used (by a later region).
+
 Both rewrites are exact; ``ctx.reports["eliminated"]`` counts removed collectives.
 """
 
@@ -82,6 +86,8 @@ def _forward_own_chunks(gm: torch.fx.GraphModule) -> None:
         if node.target is not _c10d.all_gather_into_tensor.default or len(node.users) != 1:
             continue
         (wait,) = node.users
+        if wait.target is not WAIT_TENSOR:  # returned unwaited: a later region reads it
+            continue
         inp: Any = node.args[0]
         rank = _rank_in_group(node)
         rows = inp.meta["val"].shape[0] if "val" in inp.meta else None

@@ -2,7 +2,10 @@
 
 ``fingerprint`` (the last pass) describes each collective of the final graph as
 ``kind dtype[shape] over mesh dim d of n`` (rank-independent: ranks in different groups
-of one mesh dim issue the same sequence) and reports the list (``ctx.reports["fingerprint"]``).
+of one mesh dim issue the same sequence), with graph boundaries: ``wait on input
+dtype[shape]: collective issued before this graph`` where the graph waits for a collective
+issued before it, ``..., waited after this graph`` for a collective it returns unwaited.
+It reports the list (``ctx.reports["fingerprint"]``).
 :func:`check_rank_consistency` compares the lists of all ranks once, at the compiled graph's
 first run, before it issues anything: a mismatch raises on every rank, naming the first
 differing collective of each rank, instead of hanging in a collective that not every rank
@@ -16,6 +19,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from vescale.fx.collectives import inflight_inputs
 from vescale.passes.manager import PassContext
 
 __all__ = ["RankDivergenceError", "check_rank_consistency", "fingerprint"]
@@ -26,17 +30,24 @@ class RankDivergenceError(RuntimeError):
 
 
 def fingerprint(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    """Report the collective sequence of ``gm`` (its records come from the pass manager)."""
+    """Report the collective sequence of ``gm`` (its records come from the pass manager),
+    graph boundaries included: where the graph waits for a collective issued before it, and
+    which collectives it returns unwaited."""
+    before = {w: v for v, ws in inflight_inputs(gm).items() for w in ws}
     lines = []
     for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        shape = list(val.shape) if isinstance(val, torch.Tensor) else "[?]"
+        dtype = str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else ""
+        if node in before:
+            lines.append(f"wait on input {dtype}{shape}: collective issued before this graph")
         rec = (node.meta.get("custom") or {}).get("vescale_collective")
         if rec is not None:
-            val = node.meta.get("val")
-            shape = list(val.shape) if isinstance(val, torch.Tensor) else "[?]"
             group = f"mesh dim {rec['mesh_dim']}" if rec["mesh_dim"] is not None else "group"
+            after = ", waited after this graph" if rec.get("waited") == "after graph" else ""
             lines.append(
                 f"{rec['kind']} {rec['dtype']}{shape} over {group} of "
-                f"{len(rec['group_ranks'])} @ {rec['source'] or '?'}"
+                f"{len(rec['group_ranks'])}{after} @ {rec['source'] or '?'}"
             )
     ctx.reports["fingerprint"] = lines
     return gm

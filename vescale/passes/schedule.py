@@ -6,11 +6,17 @@ the same decisions):
 * a collective is issued as soon as its inputs exist, but never before the collective that
   preceded it in the graph: the order of collectives is unchanged on every rank;
 * its ``wait_tensor`` is placed just before the first node that needs the result;
+* graph boundaries: a tensor whose collective was issued before this graph (an
+  ``AsyncCollectiveTensor`` input, waited by a ``wait_tensor`` on the graph input) counts as
+  in flight from the graph's start; its waits are placed just before the first node that
+  reads it, through a wait or directly (its buffer is written until waited). A collective
+  whose result the graph returns unwaited is issued like any other and stays unwaited;
 * other nodes keep their relative graph order;
 * memory cap: before issuing a collective whose output would raise the bytes of issued but
   not yet waited results above ``overlap_cap_mb``, the oldest in-flight results are waited.
 
-``ctx.reports["overlap"]`` holds how many nodes each collective now overlaps.
+``ctx.reports["overlap"]`` holds how many nodes each collective now overlaps,
+``ctx.reports["overlap_inputs"]`` how many nodes run before each in-flight input is waited.
 """
 
 from __future__ import annotations
@@ -18,18 +24,19 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from typing import cast
 
 import torch
 
-from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR, node_bytes
+from vescale.fx.collectives import (
+    COLLECTIVE_KINDS,
+    WAIT_TENSOR,
+    inflight_inputs,
+    node_bytes,
+    waited_node,
+)
 from vescale.passes.manager import PassContext
 
 __all__ = ["schedule", "schedule_order"]
-
-
-def _collective(wait: torch.fx.Node) -> torch.fx.Node:
-    return cast(torch.fx.Node, wait.args[0])
 
 
 def schedule_order(gm: torch.fx.GraphModule, cap_bytes: int) -> list[torch.fx.Node]:
@@ -40,11 +47,17 @@ def schedule_order(gm: torch.fx.GraphModule, cap_bytes: int) -> list[torch.fx.No
     is_wait = {n: n.op == "call_function" and n.target is WAIT_TENSOR for n in nodes}
     colls = [n for n in nodes if is_coll[n]]
     prev = {c: p for p, c in itertools.pairwise(colls)}
+    # waited node (a collective, or a tensor whose collective was issued before this graph)
+    # -> its waits, all placed together when the result is first needed
+    waits: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for n in nodes:
+        if is_wait[n]:
+            waits.setdefault(waited_node(n), []).append(n)
 
     def gates(n: torch.fx.Node) -> list[torch.fx.Node]:
-        """What must be scheduled before ``n`` can be: inputs, a wait counting as its
-        collective (the wait itself is placed on demand)."""
-        out = [_collective(a) if is_wait[a] else a for a in n.all_input_nodes]
+        """What must be scheduled before ``n`` can be: inputs, a wait counting as the node it
+        waits on (the wait itself is placed on demand)."""
+        out = [waited_node(a) if is_wait[a] else a for a in n.all_input_nodes]
         if n in prev:
             out.append(prev[n])
         return out
@@ -56,16 +69,17 @@ def schedule_order(gm: torch.fx.GraphModule, cap_bytes: int) -> list[torch.fx.No
         for g in gs:
             waiting_on.setdefault(g, []).append(n)
     order: list[torch.fx.Node] = []
-    done: set[torch.fx.Node] = set()
     ready_compute: list[int] = []  # indices
     ready_colls: deque[torch.fx.Node] = deque()
-    inflight: deque[torch.fx.Node] = deque()  # collectives issued, wait not yet placed
+    inflight: deque[torch.fx.Node] = deque()  # waited nodes placed, their waits not yet
     inflight_bytes = 0
-    wait_of = {_collective(a): a for a in nodes if is_wait[a]}
 
     def place(n: torch.fx.Node) -> None:
+        nonlocal inflight_bytes
         order.append(n)
-        done.add(n)
+        if n in waits:
+            inflight.append(n)
+            inflight_bytes += node_bytes(n)
         for user in waiting_on.get(n, ()):
             blockers[user].discard(n)
             if not blockers[user]:
@@ -74,41 +88,45 @@ def schedule_order(gm: torch.fx.GraphModule, cap_bytes: int) -> list[torch.fx.No
                 else:
                     heapq.heappush(ready_compute, index[user])
 
-    def place_wait(w: torch.fx.Node) -> None:
+    def settle(v: torch.fx.Node) -> None:
+        """Place the waits of ``v`` if it is still in flight."""
         nonlocal inflight_bytes
-        if w in done:
-            return
-        c = _collective(w)
-        inflight.remove(c)
-        inflight_bytes -= node_bytes(c)
-        place(w)
+        if v in inflight:
+            inflight.remove(v)
+            inflight_bytes -= node_bytes(v)
+            order.extend(waits[v])
+
+    def settle_inputs(n: torch.fx.Node) -> None:
+        """Wait for what ``n`` reads: results through their wait, and tensors of collectives
+        issued before the graph that ``n`` reads directly (their buffer is still written)."""
+        for a in n.all_input_nodes:
+            if is_wait[a]:
+                settle(waited_node(a))
+            elif a in waits and not is_coll[a]:
+                settle(a)
 
     for n, gs in blockers.items():
-        if not gs:
+        if not gs and n.op != "placeholder":
             if is_coll[n]:
                 ready_colls.append(n)
             else:
                 heapq.heappush(ready_compute, index[n])
+    for n in nodes:  # inputs first, in their order: in-flight ones count from the start
+        if n.op == "placeholder":
+            place(n)
     while ready_colls or ready_compute:
         if ready_colls:
             c = ready_colls.popleft()
             while inflight and inflight_bytes + node_bytes(c) > cap_bytes:
-                place_wait(wait_of[inflight[0]])
-            for a in c.all_input_nodes:  # a chained collective needs the previous result
-                if is_wait[a]:
-                    place_wait(a)
+                settle(inflight[0])
+            settle_inputs(c)  # a chained collective needs the previous result
             place(c)
-            if c in wait_of:
-                inflight.append(c)
-                inflight_bytes += node_bytes(c)
             continue
         n = nodes[heapq.heappop(ready_compute)]
-        for a in n.all_input_nodes:
-            if is_wait[a]:
-                place_wait(a)
+        settle_inputs(n)
         place(n)
-    for c in list(inflight):  # results only the output needs, or nobody
-        place_wait(wait_of[c])
+    for v in list(inflight):  # results only the output needs, or nobody
+        settle(v)
     order.append(output)
     if len(order) != len(nodes) or output.op != "output":
         raise RuntimeError(f"schedule: {len(nodes) - len(order)} nodes could not be ordered")
@@ -131,5 +149,10 @@ def schedule(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule
         if n.target in COLLECTIVE_KINDS
         for w in n.users
         if w.target is WAIT_TENSOR
+    }
+    placeholders = sum(n.op == "placeholder" for n in order)
+    ctx.reports["overlap_inputs"] = {
+        v.name: pos[ws[0]] - max(pos[v], placeholders - 1) - 1
+        for v, ws in inflight_inputs(gm).items()
     }
     return gm
