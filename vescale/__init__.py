@@ -27,6 +27,7 @@ from vescale.dtensor.deferred_init import (
     materialize_dtensor,
     materialize_module,
 )
+from vescale.plan import parallelize
 
 __version__ = "0.1.0"
 
@@ -46,6 +47,7 @@ __all__ = [
     "is_deferred",
     "materialize_dtensor",
     "materialize_module",
+    "parallelize",
     "redistribute_dtensor",
     "to_local",
 ]

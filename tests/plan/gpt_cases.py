@@ -1,0 +1,52 @@
+"""Shared pieces of the plan-path tests on the demo GPT (run inside pool workers)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+import vescale
+from vescale import Replicate, Shard
+
+# Only the weights of the attention and MLP linears, the embeddings and the head.
+TP = {"tp": Shard(0)}
+GPT_PLAN: dict[str, Any] = {
+    "blocks.*.attn.[qkv].weight": TP,
+    "blocks.*.mlp.fc.weight": TP,
+    "blocks.*.attn.proj.weight": {"tp": Shard(1)},
+    "blocks.*.mlp.proj.weight": {"tp": Shard(1)},
+    "tok.weight": (Replicate(), Replicate()),
+    "pos.weight": (Replicate(), Replicate()),
+    "head.weight": TP,
+}
+BATCH = {"dp": Shard(0)}
+
+
+@functools.cache
+def gpt_mesh() -> vescale.DeviceMesh:
+    return vescale.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def train(
+    model: torch.nn.Module, batches: list[tuple[torch.Tensor, ...]]
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """SGD steps; losses and final parameters (full tensors)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for inputs in batches:
+        loss = model(*inputs)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(
+            loss.full_tensor().item() if isinstance(loss, vescale.DTensor) else loss.item()
+        )
+    params = {
+        k.removeprefix("module."): (
+            v.full_tensor() if isinstance(v, vescale.DTensor) else v
+        ).detach()
+        for k, v in model.named_parameters()
+    }
+    return losses, params

@@ -1,0 +1,7 @@
+"""The plan path: a plain single-device model + placements for a few tensors -> every node
+placed by a global cost-based choice over the joint forward+backward graph, explained."""
+
+from vescale.plan.api import PlanError, PlannedModule, parallelize
+from vescale.plan.cost import AlphaBeta, calibrate
+
+__all__ = ["AlphaBeta", "PlanError", "PlannedModule", "calibrate", "parallelize"]

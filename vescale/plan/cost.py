@@ -1,0 +1,139 @@
+"""Communication cost of a redistribution: an alpha-beta model per mesh dim.
+
+A collective over a mesh dim of ``n`` ranks whose input holds ``B`` bytes per rank takes
+``alpha + beta * wire(kind, n, B)`` seconds, with the bytes a ring algorithm moves per rank:
+all-reduce ``2 (n-1)/n B``, all-gather ``(n-1) B``, reduce-scatter and all-to-all ``(n-1)/n B``.
+``alpha`` (latency, s) and ``beta`` (s per byte) are measured per mesh dim by
+:func:`calibrate` on the actual process group (all-reduces of two sizes, the slowest rank's
+time, so every rank gets the same numbers and makes the same choice), cached per mesh shape
+and backend; a user passes :class:`AlphaBeta` values to override. Compute is not modelled:
+every strategy of an op does the same flops up to the shard factor, so communication is
+what differs between them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+__all__ = ["AlphaBeta", "CommStep", "calibrate", "default_alpha_beta", "redistribution_steps"]
+
+Placements = tuple[Placement, ...]
+# Defaults for meshes that cannot communicate (fake or meta): 20 us, 1 GB/s.
+DEFAULT_ALPHA = 20e-6
+DEFAULT_BETA = 1e-9
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """Per mesh dim latency ``alpha`` (s) and inverse bandwidth ``beta`` (s/byte)."""
+
+    alpha: tuple[float, ...]
+    beta: tuple[float, ...]
+
+    def time(self, step: CommStep) -> float:
+        return self.alpha[step.mesh_dim] + self.beta[step.mesh_dim] * step.wire_bytes
+
+
+@dataclass(frozen=True)
+class CommStep:
+    """One collective of a redistribution: kind, mesh dim, ranks, input bytes per rank."""
+
+    kind: str
+    mesh_dim: int
+    group_size: int
+    bytes: int
+
+    @property
+    def wire_bytes(self) -> float:
+        n, b = self.group_size, self.bytes
+        factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1}.get(self.kind, (n - 1) / n)
+        return factor * b
+
+
+def default_alpha_beta(ndim: int) -> AlphaBeta:
+    return AlphaBeta((DEFAULT_ALPHA,) * ndim, (DEFAULT_BETA,) * ndim)
+
+
+def _is_shard(p: Placement) -> bool:
+    return isinstance(p, Shard) or type(p).__name__ == "_StridedShard"
+
+
+def redistribution_steps(
+    src: Placements,
+    dst: Placements,
+    shape: tuple[int, ...],
+    itemsize: int,
+    mesh_shape: tuple[int, ...],
+) -> list[CommStep] | None:
+    """The collectives turning ``src`` into ``dst`` (``None``: not possible, e.g. Partial of
+    another reduce op). Mesh dims leaving a Shard or Partial go first (last mesh dim first),
+    then the rest; local slices and ``Replicate -> Partial`` cost nothing."""
+    cur = list(src)
+    steps: list[CommStep] = []
+
+    def local_bytes() -> int:
+        shards = math.prod(n for p, n in zip(cur, mesh_shape) if _is_shard(p))
+        return math.ceil(math.prod(shape) / shards) * itemsize
+
+    order = sorted(range(len(cur)), key=lambda i: (dst[i].is_shard() or dst[i].is_partial(), -i))
+    for i in order:
+        a, b = cur[i], dst[i]
+        if a == b:
+            continue
+        n = mesh_shape[i]
+        kind: str | None
+        if isinstance(a, Partial):
+            if isinstance(b, Partial):
+                return None
+            kind = "all_reduce" if isinstance(b, Replicate) else "reduce_scatter"
+        elif _is_shard(a):  # to Replicate, or to Partial through Replicate
+            kind = "all_to_all" if _is_shard(b) else "all_gather"
+        else:  # Replicate -> Shard (slice) or Partial (zeros elsewhere): local
+            kind = None
+        if kind is not None and n > 1:
+            steps.append(CommStep(kind, i, n, local_bytes()))
+        cur[i] = b
+    return steps
+
+
+_cache: dict[tuple[tuple[int, ...], str], AlphaBeta] = {}
+
+
+def calibrate(mesh: DeviceMesh, sizes: tuple[int, int] = (256, 262144), reps: int = 5) -> AlphaBeta:
+    """Measure ``alpha``/``beta`` per mesh dim with all-reduces of ``sizes`` float32 elements
+    (median of ``reps``, then the maximum over all ranks); cached per mesh shape and backend.
+    Meshes on the fake or meta backends get the defaults."""
+    backend = mesh.device_type if mesh.device_type == "meta" else dist.get_backend()
+    key = (tuple(mesh.shape), str(backend))
+    if key in _cache:
+        return _cache[key]
+    if backend in ("meta", "fake"):
+        return _cache.setdefault(key, default_alpha_beta(mesh.ndim))
+    alphas, betas = [], []
+    for d in range(mesh.ndim):
+        group, n = mesh.get_group(d), mesh.size(d)
+        times = []
+        for numel in sizes:
+            buf = torch.ones(numel, device=mesh.device_type)
+            dist.all_reduce(buf, group=group)  # warm-up
+            samples = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                dist.all_reduce(buf, group=group)
+                samples.append(time.perf_counter() - start)
+            times.append(sorted(samples)[reps // 2])
+        wires = [CommStep("all_reduce", d, n, s * 4).wire_bytes for s in sizes]
+        beta = max((times[1] - times[0]) / max(wires[1] - wires[0], 1.0), 1e-13)
+        alphas.append(max(times[0] - beta * wires[0], 1e-7))
+        betas.append(beta)
+    slowest = torch.tensor(alphas + betas, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank: the same numbers
+    values = slowest.tolist()
+    return _cache.setdefault(key, AlphaBeta(tuple(values[: mesh.ndim]), tuple(values[mesh.ndim :])))

@@ -1,0 +1,327 @@
+"""Placement strategies for every node of a global (single-device) aten graph.
+
+For each ``call_function`` node the op's strategies come from upstream's sharding propagator,
+the one registry eager dispatch uses (vescale's registered strategies included): tensor
+arguments are given as ``OpStrategy`` of every placement their producer may take, so the
+answer lists every strategy of the op. Ops the registry does not cover (factories, ops
+without a rule) get the always-valid replicated strategy; nodes that do not depend on any
+graph input are constants, computed replicated on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor._op_schema import TupleStrategy
+from torch.distributed.tensor._ops import utils as _strategy_utils
+from torch.distributed.tensor._ops.single_dim_strategy import _PreparedSingleDimStrategy
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+
+from vescale.dtensor._torch_compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, TensorMeta
+from vescale.dtensor.ops._registry import PROPAGATOR
+
+__all__ = ["NodeStrategies", "Value", "propagate", "tensor_meta"]
+
+Placements = tuple[Placement, ...]
+Value = tuple[torch.fx.Node, int | None]  # a node's output, or item k of its tuple output
+
+
+@dataclass
+class NodeStrategies:
+    """The strategies of one node: per strategy the output placements (one tuple per output,
+    ``None`` for non-tensor outputs) and the placements each tensor input must have."""
+
+    node: torch.fx.Node
+    inputs: list[Value]
+    outputs: list[tuple[Placements | None, ...]]
+    input_placements: list[tuple[Placements, ...]]
+    source: str  # "registry", "replicated fallback: <why>", "plan", "constant", "free"
+    candidates: dict[int, list[Placements]] = field(default_factory=dict)
+
+    def out_candidates(self, k: int | None) -> list[Placements]:
+        """Distinct placements of output ``k`` over the strategies, in strategy order."""
+        key = -1 if k is None else k
+        if key not in self.candidates:
+            seen: dict[Placements, None] = {}
+            for out in self.outputs:
+                p = out[0 if k is None else k]
+                if p is not None:
+                    seen.setdefault(p, None)
+            self.candidates[key] = list(seen)
+        return self.candidates[key]
+
+
+def tensor_meta(val: Any) -> TensorMeta | None:
+    if isinstance(val, torch.Tensor):
+        return TensorMeta(val.shape, val.stride(), val.dtype)
+    return None
+
+
+def value_of(arg: torch.fx.Node) -> Value:
+    if arg.op == "call_function" and arg.target is operator.getitem:
+        return (arg.args[0], arg.args[1])  # type: ignore[return-value]
+    return (arg, None)
+
+
+def _nonempty(placements: Placements, shape: torch.Size, mesh: DeviceMesh) -> bool:
+    """No shard is empty (each sharded tensor dim has at least one row per rank)."""
+    split = [1] * len(shape)
+    for p, n in zip(placements, mesh.shape):
+        if isinstance(p, Shard):
+            split[p.dim] *= n
+    return all(s >= k for s, k in zip(shape, split))
+
+
+def free_candidates(shape: torch.Size, mesh: DeviceMesh) -> list[Placements]:
+    """Every placement of a parameter the plan leaves open: Replicate or Shard per mesh dim,
+    no empty shards."""
+    per_dim = [Replicate(), *(Shard(d) for d in range(len(shape)))]
+    combos = itertools.product(per_dim, repeat=mesh.ndim)
+    return [c for c in combos if _nonempty(c, shape, mesh)]
+
+
+def _replicated(
+    node: torch.fx.Node, inputs: list[Value], mesh: DeviceMesh, why: str
+) -> NodeStrategies:
+    rep: Placements = (Replicate(),) * mesh.ndim
+    vals = node.meta.get("val")
+    outs = tuple(
+        rep if isinstance(v, torch.Tensor) else None
+        for v in (vals if isinstance(vals, tuple | list) else (vals,))
+    )
+    return NodeStrategies(node, inputs, [outs], [tuple(rep for _ in inputs)], why)
+
+
+def _schema_args(
+    node: torch.fx.Node, table: dict[torch.fx.Node, NodeStrategies], mesh: DeviceMesh
+) -> tuple[tuple[Any, ...], dict[str, Any], list[Value]]:
+    """``node``'s args with each tensor input an ``OpStrategy`` over its producer's placements."""
+    inputs: list[Value] = []
+
+    def strategy(arg: Any) -> Any:
+        if isinstance(arg, list | tuple) and arg and all(isinstance(a, torch.fx.Node) for a in arg):
+            return TupleStrategy(tuple(strategy(a) for a in arg))
+        if not isinstance(arg, torch.fx.Node):
+            return arg
+        value = value_of(arg)
+        meta = tensor_meta(arg.meta.get("val"))
+        if meta is None:
+            return arg.meta.get("val")
+        inputs.append(value)
+        cands = table[value[0]].out_candidates(value[1])
+        return OpStrategy([OpSpec(DTensorSpec(mesh, p, meta)) for p in cands])
+
+    args = tuple(strategy(a) for a in node.args)
+    kwargs = {k: strategy(v) for k, v in node.kwargs.items()}
+    return args, kwargs, inputs
+
+
+def _specs(spec: Any) -> tuple[Placements | None, ...]:
+    specs = spec if isinstance(spec, tuple | list) else (spec,)
+    return tuple(tuple(s.placements) if isinstance(s, DTensorSpec) else None for s in specs)
+
+
+def _expand_single_dim(op: Any, schema: OpSchema, single: Any, mesh: DeviceMesh, val: Any) -> Any:
+    """Upstream's expansion of a single-mesh-dim strategy to every placement combination of
+    ``mesh``, with every candidate of each input (upstream's own expansion takes one). The
+    sharding kinds that fill placeholders are those the candidates use."""
+    kinds: dict[Any, Placement] = {"shard": Shard(0)}
+    for leaf in pytree.tree_leaves(schema.args_schema, is_leaf=lambda x: isinstance(x, OpStrategy)):
+        if isinstance(leaf, OpStrategy):
+            for spec in leaf.strategies:
+                for p in spec.output_spec.placements:
+                    if p.is_shard() and not isinstance(p, Shard):  # _StridedShard(split_factor)
+                        kinds.setdefault(getattr(p, "split_factor", None), p)
+    if len(kinds) > mesh.ndim:
+        raise NotImplementedError(f"{op}: more sharding kinds than mesh dims among candidates")
+    representative = tuple((list(kinds.values()) * mesh.ndim)[: mesh.ndim])
+
+    def one(arg: Any) -> Any:
+        if isinstance(arg, OpStrategy):
+            spec = arg.strategies[0].output_spec
+            return OpStrategy([OpSpec(DTensorSpec(mesh, representative, spec.tensor_meta))])
+        return arg
+
+    prep_schema = OpSchema(
+        op,
+        pytree.tree_map(one, schema.args_schema, is_leaf=lambda x: isinstance(x, OpStrategy)),
+        {k: one(v) for k, v in schema.kwargs_schema.items()},
+        schema_info=schema.schema_info,
+    )
+    out_meta: Any = (
+        tuple(tensor_meta(v) for v in val) if isinstance(val, tuple | list) else tensor_meta(val)
+    )
+    prepared = _PreparedSingleDimStrategy(single, prep_schema, out_meta)
+    return expand_to_full_mesh_op_strategy(
+        mesh,
+        schema,
+        prepared.expanded_strategies,
+        output_tensor_meta=out_meta,
+        inplace_op=op.name().split("::")[1].split(".")[0].endswith("_"),
+        input_index=prepared.num_outputs,
+        allow_unbacked_sharding=prepared.allow_unbacked_sharding,
+        allow_uneven_sharding=prepared.allow_uneven_sharding,
+        different_mesh_args=prepared.remapped_different_mesh_args,
+    )
+
+
+MAX_COMBINATIONS = 1024
+
+
+def _per_combination(func: Any, schema: OpSchema) -> OpStrategy:
+    """The union of ``func``'s strategies over every combination of single input candidates,
+    for rules that pair their inputs' strategies index by index."""
+    leaves, spec = pytree.tree_flatten(
+        (schema.args_schema, schema.kwargs_schema), is_leaf=lambda x: isinstance(x, OpStrategy)
+    )
+    where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, OpStrategy)]
+    choices = [leaves[i].strategies for i in where]
+    if prod_len(choices) > MAX_COMBINATIONS:
+        raise NotImplementedError(f"{schema.op}: too many input placement combinations")
+    found: list[OpSpec] = []
+    for combo in itertools.product(*choices):
+        for i, one in zip(where, combo):
+            leaves[i] = OpStrategy([one])
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        found.extend(
+            func(OpSchema(schema.op, args, kwargs, schema_info=schema.schema_info)).strategies
+        )
+    return OpStrategy(found)
+
+
+def prod_len(choices: list[list[Any]]) -> int:
+    out = 1
+    for c in choices:
+        out *= len(c)
+    return out
+
+
+def _registry_strategies(
+    node: torch.fx.Node, table: dict[torch.fx.Node, NodeStrategies], mesh: DeviceMesh
+) -> NodeStrategies | None:
+    op: Any = node.target
+    args, kwargs, inputs = _schema_args(node, table, mesh)
+    single = PROPAGATOR.op_single_dim_strategy_funcs.get(op)
+    func = PROPAGATOR.op_strategy_funcs.get(op)
+    if single is None and func is None:
+        return None
+    if single is not None:
+        schema = OpSchema(
+            op,
+            args,
+            kwargs,
+            schema_info=PROPAGATOR.op_to_schema_info_for_single_dim_strategy.get(op),
+        )
+        found = _expand_single_dim(op, schema, single, mesh, node.meta.get("val"))
+    elif func is not None:
+        schema = OpSchema(op, args, kwargs, schema_info=PROPAGATOR.op_to_schema_info.get(op))
+        try:
+            found = func(schema)
+        except (IndexError, AssertionError):  # a rule that zips its inputs' strategies
+            found = _per_combination(func, schema)
+    if not isinstance(found, OpStrategy):
+        return None
+    outs, ins = [], []
+    val = node.meta.get("val")
+    out_vals = val if isinstance(val, tuple | list) else (val,)
+    for s in found.strategies:
+        out = _specs(s.output_specs)
+        in_specs = s.input_specs if s.input_specs is not None else [s.output_spec] * len(inputs)
+        inp = tuple(tuple(spec.placements) for spec in in_specs)
+        if len(inp) != len(inputs):
+            continue
+        shapes_ok = all(
+            p is None or not isinstance(v, torch.Tensor) or _nonempty(p, v.shape, mesh)
+            for p, v in zip(out, out_vals)
+        )
+        metas: list[Any] = [table[v[0]].node.meta["val"] for v in inputs]
+        sizes = [m[v[1]] if v[1] is not None else m for m, v in zip(metas, inputs)]
+        if shapes_ok and all(_nonempty(p, t.shape, mesh) for p, t in zip(inp, sizes)):
+            outs.append(out)
+            ins.append(inp)
+    if not outs:
+        return None
+    return NodeStrategies(node, inputs, outs, ins, "registry")
+
+
+def _depends_on_inputs(node: torch.fx.Node, table: dict[torch.fx.Node, NodeStrategies]) -> bool:
+    return any(table[value_of(a)[0]].source != "constant" for a in node.all_input_nodes)
+
+
+@contextlib.contextmanager
+def _without_upstream_costs() -> Any:
+    """Strategies are asked for their placements only (vescale prices redistributions with
+    its own model, :mod:`vescale.plan.cost`): upstream's per-pair cost estimate, most of the
+    time of a strategy call, is skipped while propagating."""
+    saved = _strategy_utils.redistribute_cost
+    _strategy_utils.redistribute_cost = lambda *_args, **_kwargs: 0.0
+    try:
+        yield
+    finally:
+        _strategy_utils.redistribute_cost = saved
+
+
+def propagate(
+    gm: torch.fx.GraphModule, mesh: DeviceMesh, fixed: dict[str, Placements]
+) -> dict[torch.fx.Node, NodeStrategies]:
+    """Strategies of every node of ``gm`` (placeholders: ``fixed[name]`` or, when absent,
+    every placement of :func:`free_candidates`). Getitem nodes are not listed: consumers
+    read ``(tuple node, index)`` directly."""
+    with _without_upstream_costs():
+        return _propagate(gm, mesh, fixed)
+
+
+def _propagate(
+    gm: torch.fx.GraphModule, mesh: DeviceMesh, fixed: dict[str, Placements]
+) -> dict[torch.fx.Node, NodeStrategies]:
+    table: dict[torch.fx.Node, NodeStrategies] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            if node.name in fixed:
+                table[node] = NodeStrategies(node, [], [(fixed[node.name],)], [()], "plan")
+            else:
+                table[node] = NodeStrategies(
+                    node,
+                    [],
+                    [(c,) for c in free_candidates(val.shape, mesh)],
+                    [() for _ in free_candidates(val.shape, mesh)],
+                    "free",
+                )
+        elif node.op == "call_function" and node.target is operator.getitem:
+            continue
+        elif node.op == "call_function":
+            if not _depends_on_inputs(node, table):
+                table[node] = _replicated(node, [], mesh, "constant")
+                continue
+            try:
+                found = _registry_strategies(node, table, mesh)
+                why = "no strategy in the registry"
+            except Exception as err:  # a rule that cannot handle these arguments
+                found, why = (
+                    None,
+                    f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+                )
+            if found is None:
+                _, _, inputs = _schema_args(node, table, mesh)
+                found = _replicated(node, inputs, mesh, f"replicated fallback: {why}")
+            table[node] = found
+    return table
+
+
+def flat_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """``node``'s tensor argument nodes in the order strategies list their input specs."""
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [
+        a
+        for a in leaves
+        if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+    ]
