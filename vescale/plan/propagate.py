@@ -25,7 +25,9 @@ from torch.distributed.tensor._ops.single_dim_strategy import _PreparedSingleDim
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
+from vescale import _patches
 from vescale.dtensor._torch_compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, TensorMeta
+from vescale.dtensor.dtensor import vescale_rules
 from vescale.dtensor.ops._registry import PROPAGATOR
 
 __all__ = ["NodeStrategies", "Value", "propagate", "tensor_meta"]
@@ -256,17 +258,15 @@ def _depends_on_inputs(node: torch.fx.Node, table: dict[torch.fx.Node, NodeStrat
     return any(table[value_of(a)[0]].source != "constant" for a in node.all_input_nodes)
 
 
-@contextlib.contextmanager
-def _without_upstream_costs() -> Any:
+def _without_upstream_costs() -> contextlib.AbstractContextManager[None]:
     """Strategies are asked for their placements only (vescale prices redistributions with
     its own model, :mod:`vescale.plan.cost`): upstream's per-pair cost estimate, most of the
-    time of a strategy call, is skipped while propagating."""
-    saved = _strategy_utils.redistribute_cost
-    _strategy_utils.redistribute_cost = lambda *_args, **_kwargs: 0.0
-    try:
-        yield
-    finally:
-        _strategy_utils.redistribute_cost = saved
+    time of a strategy call, is skipped while propagating (through the seam)."""
+    return _patches.temporarily(_strategy_utils, "redistribute_cost", _zero_cost)
+
+
+def _zero_cost(*_args: Any, **_kwargs: Any) -> float:
+    return 0.0
 
 
 def propagate(
@@ -275,7 +275,7 @@ def propagate(
     """Strategies of every node of ``gm`` (placeholders: ``fixed[name]`` or, when absent,
     every placement of :func:`free_candidates`). Getitem nodes are not listed: consumers
     read ``(tuple node, index)`` directly."""
-    with _without_upstream_costs():
+    with _without_upstream_costs(), vescale_rules(True):  # the rules eager vescale uses
         return _propagate(gm, mesh, fixed)
 
 

@@ -29,7 +29,7 @@ aten = torch.ops.aten
 MASKED_OPS = [aten.gather.default]
 
 
-def _masked_alone(output: Sequence[Any], inputs: list[Sequence[Any]]) -> bool:
+def _masked_alone(output: Sequence[Any], inputs: Sequence[Sequence[Any]]) -> bool:
     masked = [i for i, p in enumerate(output) if is_private_partial(p)]
     if not masked:
         return True
