@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import vescale
 from tests.dtensor.reference import coord_of, expected_local, mesh_of
@@ -21,6 +22,7 @@ from vescale.dtensor._utils import (
     gather_local_tensor_shape,
 )
 from vescale.dtensor.api import vescale_all_gather, vescale_all_reduce, vescale_reduce_scatter
+from vescale.dtensor.loss import loss_parallel
 from vescale.dtensor.random import is_rng_supported_mesh, manual_seed
 
 
@@ -198,9 +200,10 @@ def _check_legacy_constructor() -> None:
     )
     assert type(d) is DTensor and d.shape == (12, 3) and d.placements == (Shard(0),)
     assert d._local_tensor is local and torch.equal(d.to_local(), local)
-    with pytest.warns(UserWarning, match="To construct"):
-        DTensor(local, mesh, [Shard(0)], shape=(12, 3), dtype=local.dtype, requires_grad=False,
-                stride=(3, 1))  # fmt: skip
+    for local_grad in (True, False):
+        with pytest.warns(UserWarning, match="To construct"):
+            DTensor(local.detach().requires_grad_(local_grad), mesh, [Shard(0)], shape=(12, 3),
+                    dtype=local.dtype, requires_grad=not local_grad, stride=(3, 1))  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         same = DTensor(local.detach(), d._spec, requires_grad=False)  # upstream's signature
@@ -274,3 +277,23 @@ def test_manual_seed(pool4):
 
 def test_equal_allclose_and_layout_helpers(pool4):
     pool4.run(_check_equal_and_utils)
+
+
+def _check_loss_parallel() -> None:
+    mesh = mesh_of((4,))
+    x = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(8, (6,))
+    y = F.cross_entropy(x, target)
+    y.backward()
+    dx = vescale.distribute_tensor(x.detach(), mesh, [Shard(1)]).requires_grad_()
+    with loss_parallel():
+        dy = F.cross_entropy(dx, target)
+        assert dy.placements == (Replicate(),)
+        torch.testing.assert_close(dy.to_local(), y)
+        dy.backward()
+    assert dx.grad.placements == (Shard(1),)
+    torch.testing.assert_close(dx.grad.full_tensor(), x.grad)
+
+
+def test_loss_parallel_import_path(pool4):
+    pool4.run(_check_loss_parallel)

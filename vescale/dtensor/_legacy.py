@@ -2,8 +2,8 @@
 
 * :func:`construct`: ``DTensor(local, device_mesh, placements, *, shape, dtype, requires_grad,
   stride)`` wraps ``local`` as this rank's shard (no communication, no check), as legacy's
-  constructor did (upstream warns when ``requires_grad`` differs from ``local``'s, as legacy
-  did); upstream's ``DTensor(local, spec, *, requires_grad)`` is unchanged.
+  constructor did, warning when ``requires_grad`` differs from ``local``'s; upstream's
+  ``DTensor(local, spec, *, requires_grad)`` is unchanged.
 * :func:`tolist`: legacy's ``DTensor.tolist()``, this rank's local values as a (nested) list.
 * ``vescale_all_gather`` / ``vescale_all_reduce`` / ``vescale_reduce_scatter``: a
   ``redistribute`` to Replicate (gather, reduce) or Shard (reduce-scatter) on the given mesh dims.
@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +50,12 @@ def _construct_legacy(
     requires_grad: bool,
     stride: Sequence[int],
 ) -> Any:
+    if requires_grad and not local_tensor.requires_grad:  # upstream warns the other way round
+        warnings.warn(
+            "To construct DTensor from torch.Tensor, it's recommended to use "
+            "local_tensor.detach() and make requires_grad consistent.",
+            stacklevel=3,
+        )
     pl = normalize_placements(placements, device_mesh, len(shape), what="DTensor", shape=shape)
     spec = as_vescale_spec(make_spec(device_mesh, pl, shape, stride, dtype))
     return _UpstreamDTensor.__new__(cls, local_tensor, spec, requires_grad=requires_grad)  # type: ignore[call-overload]
