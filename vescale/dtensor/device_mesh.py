@@ -103,6 +103,14 @@ class DeviceMesh(_UpstreamDeviceMesh):
             for g in groups  # type: ignore[union-attr]
         ]
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Upstream's pickled state without the cached ``hash()``, which is salted per process
+        (recomputed on demand): Inductor's FX graph cache pickles graph inputs, meshes among
+        them, into its key, so with it no other process ever hit the cache."""
+        state: dict[str, Any] = super().__getstate__()
+        state.pop("_hash", None)
+        return state
+
     def get_rank(self) -> int:
         """This process's global rank (a meta mesh answers without a process group)."""
         return int(self._rank) if self.device_type == "meta" else super().get_rank()
