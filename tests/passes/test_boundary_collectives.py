@@ -212,7 +212,7 @@ def _sequence_parallel(blocks: nn.Sequential, mesh) -> nn.Sequential:
     return blocks
 
 
-def _check_sequence_parallel_blocks(compiled: bool, dump_dir: str) -> None:
+def _check_sequence_parallel_blocks(compiled: bool, dump_dir: str, codegen: str = "fx") -> None:
     torch._dynamo.reset()
     mesh = mesh_of((2,))
     full, piece = partial_source([Partial()], (2,), (BATCH, SEQ, DIM))
@@ -227,7 +227,7 @@ def _check_sequence_parallel_blocks(compiled: bool, dump_dir: str) -> None:
     # the previous stage's Partial output, reduce-scattered to sequence shards and not waited
     x = vescale.from_local(piece, mesh, [Partial()]).redistribute(placements=[Shard(1)])
     assert isinstance(x._local_tensor, AsyncCollectiveTensor)
-    opts = {"codegen": "fx", "dump_dir": dump_dir}
+    opts = {"codegen": codegen, "dump_dir": dump_dir}
     run = [torch.compile(b, backend="vescale", fullgraph=True, options=opts) for b in blocks]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
