@@ -6,8 +6,8 @@
 * Verification: every collective's result is consumed by a ``wait_tensor`` (placed after the
   collective) before any other use, or returned unwaited (a later region waits for it); a
   graph input whose collective was issued before the graph is read only after its wait.
-  ``ctx.reports["boundary"]``: those inputs and the collectives returned unwaited. Collective records (``collectives.json``) are attached by
-  the pass manager after every pass.
+  ``ctx.reports["boundary"]``: those inputs and the collectives returned unwaited.
+  Collective records (``collectives.json``) are attached by the pass manager after every pass.
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ graph, makes the same buckets and issues them in the same order):
   bucket stays under ``bucket_cap_mb`` (largest of input/output bytes, as upstream), it does
   not depend on a member, and it comes before every non-collective use of a member's result;
   the merged collective is issued where the last member was (after every wait its members'
-  inputs follow, in-flight inputs' included). A collective consuming a
-  member's result (e.g. the tensor-parallel all-reduce after the data-parallel one of a
-  ``(Partial, Partial)`` gradient) moves after the bucket (stable topological sort), where it
-  can bucket with its own kind;
+  inputs follow, in-flight inputs' included). A collective consuming a member's result
+  (e.g. the tensor-parallel all-reduce after the data-parallel one of a ``(Partial,
+  Partial)`` gradient) moves after the bucket (stable topological sort), where it can bucket
+  with its own kind;
 * a bucket closes when a candidate does not fit; one-member buckets stay as they are.
 
 The rewrite (flatten, concatenate, one collective, split, restore shapes) is upstream
