@@ -9,6 +9,7 @@ import torch
 
 import vescale
 from vescale import Replicate, Shard
+from vescale.plan import AlphaBeta
 
 # Only the weights of the attention and MLP linears, the embeddings and the head.
 TP = {"tp": Shard(0)}
@@ -22,6 +23,12 @@ GPT_PLAN: dict[str, Any] = {
     "head.weight": TP,
 }
 BATCH = {"dp": Shard(0)}
+# A vocabulary large enough that the vocabulary-parallel loss beats gathering the logits
+# under the cost model below (with 64 classes one 8 KiB all-gather is cheaper than three
+# latency-bound all-reduces, and the solver says so).
+CFG = __import__("gpt").GPTConfig(vocab=1024)
+# Fixed costs (20 us, 1 GB/s, 10 GB/s compute) so the choice does not depend on this machine's load.
+ALPHA_BETA = AlphaBeta((20e-6, 20e-6), (1e-9, 1e-9), 1e-10)
 
 
 @functools.cache

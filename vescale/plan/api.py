@@ -15,6 +15,7 @@ from torch.distributed.tensor.placement_types import Placement
 from vescale.dtensor.deferred_init import materialize_module
 from vescale.plan.capture import capture_joint
 from vescale.plan.cost import AlphaBeta, calibrate
+from vescale.plan.explain import Explanation, explain
 from vescale.plan.lower import run_program, to_placements
 from vescale.plan.program import PlacedProgram, place
 from vescale.plan.propagate import Placements
@@ -61,6 +62,10 @@ class PlannedModule(nn.Module):
         self._compile = compile
         self._options = options
         self._step: Any = None
+
+    def explain(self) -> Explanation:
+        """What was chosen and why (:func:`vescale.plan.explain`)."""
+        return explain(self.program)
 
     def _flat_state(self) -> list[torch.Tensor]:
         params = dict(self.module.named_parameters())

@@ -6,9 +6,13 @@ all-reduce ``2 (n-1)/n B``, all-gather ``(n-1) B``, reduce-scatter and all-to-al
 ``alpha`` (latency, s) and ``beta`` (s per byte) are measured per mesh dim by
 :func:`calibrate` on the actual process group (all-reduces of two sizes, the slowest rank's
 time, so every rank gets the same numbers and makes the same choice), cached per mesh shape
-and backend; a user passes :class:`AlphaBeta` values to override. Compute is not modelled:
-every strategy of an op does the same flops up to the shard factor, so communication is
-what differs between them.
+and backend; a user passes :class:`AlphaBeta` values to override.
+
+Compute is estimated too, coarsely: ``gamma`` (s per byte, measured with an element-wise op)
+times the bytes an op's local inputs and outputs hold on one rank. Without it the cheapest
+program in communication alone is often to stop splitting work (e.g. gather the batch and
+run every rank on all of it, so no gradient needs reducing); with it, sharding the work
+pays for the collectives it needs, as it does on a machine.
 """
 
 from __future__ import annotations
@@ -22,12 +26,20 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-__all__ = ["AlphaBeta", "CommStep", "calibrate", "default_alpha_beta", "redistribution_steps"]
+__all__ = [
+    "AlphaBeta",
+    "CommStep",
+    "calibrate",
+    "default_alpha_beta",
+    "local_bytes",
+    "redistribution_steps",
+]
 
 Placements = tuple[Placement, ...]
 # Defaults for meshes that cannot communicate (fake or meta): 20 us, 1 GB/s.
 DEFAULT_ALPHA = 20e-6
 DEFAULT_BETA = 1e-9
+DEFAULT_GAMMA = 1e-10  # 10 GB/s of local memory traffic
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,7 @@ class AlphaBeta:
 
     alpha: tuple[float, ...]
     beta: tuple[float, ...]
+    gamma: float = DEFAULT_GAMMA
 
     def time(self, step: CommStep) -> float:
         return self.alpha[step.mesh_dim] + self.beta[step.mesh_dim] * step.wire_bytes
@@ -55,6 +68,14 @@ class CommStep:
         n, b = self.group_size, self.bytes
         factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1}.get(self.kind, (n - 1) / n)
         return factor * b
+
+
+def local_bytes(
+    placements: Placements, shape: tuple[int, ...], itemsize: int, mesh_shape: tuple[int, ...]
+) -> int:
+    """Bytes one rank holds of a tensor of ``shape`` in ``placements`` (Partial: all of it)."""
+    shards = math.prod(n for p, n in zip(placements, mesh_shape) if _is_shard(p))
+    return math.ceil(math.prod(shape) / shards) * itemsize
 
 
 def default_alpha_beta(ndim: int) -> AlphaBeta:
@@ -78,9 +99,8 @@ def redistribution_steps(
     cur = list(src)
     steps: list[CommStep] = []
 
-    def local_bytes() -> int:
-        shards = math.prod(n for p, n in zip(cur, mesh_shape) if _is_shard(p))
-        return math.ceil(math.prod(shape) / shards) * itemsize
+    def held() -> int:
+        return local_bytes(tuple(cur), shape, itemsize, mesh_shape)
 
     order = sorted(range(len(cur)), key=lambda i: (dst[i].is_shard() or dst[i].is_partial(), -i))
     for i in order:
@@ -98,7 +118,7 @@ def redistribution_steps(
         else:  # Replicate -> Shard (slice) or Partial (zeros elsewhere): local
             kind = None
         if kind is not None and n > 1:
-            steps.append(CommStep(kind, i, n, local_bytes()))
+            steps.append(CommStep(kind, i, n, held()))
         cur[i] = b
     return steps
 
@@ -108,7 +128,8 @@ _cache: dict[tuple[tuple[int, ...], str], AlphaBeta] = {}
 
 def calibrate(mesh: DeviceMesh, sizes: tuple[int, int] = (256, 262144), reps: int = 5) -> AlphaBeta:
     """Measure ``alpha``/``beta`` per mesh dim with all-reduces of ``sizes`` float32 elements
-    (median of ``reps``, then the maximum over all ranks); cached per mesh shape and backend.
+    and ``gamma`` with an in-place multiply of the larger size (medians of ``reps``, then the
+    maximum over all ranks); cached per mesh shape and backend.
     Meshes on the fake or meta backends get the defaults."""
     backend = mesh.device_type if mesh.device_type == "meta" else dist.get_backend()
     key = (tuple(mesh.shape), str(backend))
@@ -133,7 +154,15 @@ def calibrate(mesh: DeviceMesh, sizes: tuple[int, int] = (256, 262144), reps: in
         beta = max((times[1] - times[0]) / max(wires[1] - wires[0], 1.0), 1e-13)
         alphas.append(max(times[0] - beta * wires[0], 1e-7))
         betas.append(beta)
-    slowest = torch.tensor(alphas + betas, dtype=torch.float64)
+    x = torch.ones(sizes[1])
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        x.mul_(1.0)
+        samples.append(time.perf_counter() - start)
+    gamma = sorted(samples)[reps // 2] / (2 * x.numel() * x.element_size())
+    slowest = torch.tensor([*alphas, *betas, gamma], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank: the same numbers
-    values = slowest.tolist()
-    return _cache.setdefault(key, AlphaBeta(tuple(values[: mesh.ndim]), tuple(values[mesh.ndim :])))
+    v = slowest.tolist()
+    ab = AlphaBeta(tuple(v[: mesh.ndim]), tuple(v[mesh.ndim : 2 * mesh.ndim]), v[-1])
+    return _cache.setdefault(key, ab)

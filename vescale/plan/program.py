@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.placement_types import Replicate
+from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from vescale.plan.capture import JointGraph
-from vescale.plan.cost import AlphaBeta, CommStep, redistribution_steps
+from vescale.plan.cost import AlphaBeta, CommStep, local_bytes, redistribution_steps
+from vescale.plan.handlers import handler_strategies
 from vescale.plan.propagate import NodeStrategies, Placements, Value, propagate, value_of
 from vescale.plan.solve import Demand, Problem, solve_global, solve_greedy
 
@@ -64,6 +65,10 @@ def _val(value: Value) -> torch.Tensor:
     return val if k is None else val[k]
 
 
+def _held(mesh: DeviceMesh, t: torch.Tensor, placements: Placements) -> int:
+    return local_bytes(placements, tuple(t.shape), t.element_size(), tuple(mesh.shape))
+
+
 def _steps(
     mesh: DeviceMesh, value: Value, src: Placements, dst: Placements
 ) -> list[CommStep] | None:
@@ -83,19 +88,69 @@ def place(
     choose per node with ``solver`` ("global" or "greedy"). The model output must arrive in
     ``output_placements`` (default replicated); gradients in their parameters' placements."""
     start = time.perf_counter()
-    table = propagate(joint.gm, mesh, fixed)
+    table = propagate(joint.gm, mesh, fixed, handler_strategies)
     propagated = time.perf_counter()
     demands = _demands(joint, mesh, table, output_placements)
+    dp_dims = _data_parallel_dims(joint, fixed, mesh)
+    activations = _derived_from_inputs(joint)
 
     @functools.cache
     def cost(value: Value, a: Placements, b: Placements) -> float | None:
         steps = _steps(mesh, value, a, b)
-        return None if steps is None else sum(alpha_beta.time(s) for s in steps) * 1e6
+        if steps is None:
+            return None
+        if value[0] in activations and any(
+            s.mesh_dim in dp_dims and s.kind in ("all_gather", "all_to_all") for s in steps
+        ):
+            return None  # data-parallel work stays split (see _data_parallel_dims)
+        return sum(alpha_beta.time(s) for s in steps) * 1e6
 
-    problem = Problem(table, demands, cost)
+    def compute(node: torch.fx.Node, s: int) -> float:
+        ns = table[node]
+        if ns.source in ("plan", "free", "constant"):
+            return 0.0
+        held = 0
+        for value, p in zip(ns.inputs, ns.input_placements[s]):
+            held += _held(mesh, _val(value), p)
+        vals = node.meta.get("val")
+        outs = vals if isinstance(vals, tuple | list) else (vals,)
+        for v, q in zip(outs, ns.outputs[s]):
+            if q is not None and isinstance(v, torch.Tensor):
+                held += _held(mesh, v, q)
+        inside = ns.internal[s] if ns.internal else ()
+        return (alpha_beta.gamma * held + sum(alpha_beta.time(c) for c in inside)) * 1e6
+
+    problem = Problem(table, demands, cost, compute)
     chosen = _solve_once(problem, solver, mesh)
     timings = {"propagate": propagated - start, "solve": time.perf_counter() - propagated}
     return PlacedProgram(joint, mesh, table, chosen, demands, alpha_beta, solver, timings)
+
+
+def _data_parallel_dims(
+    joint: JointGraph, fixed: dict[str, Placements], mesh: DeviceMesh
+) -> set[int]:
+    """Mesh dims on which the plan shards a model input along dim 0 (the batch). Values
+    computed from the inputs are never gathered over them: the user asked for data
+    parallelism there, and on models too small to amortize a gradient reduction the cost
+    model alone would rather replicate the whole computation."""
+    args = joint.placeholder_names[len(joint.param_names) + len(joint.buffer_names) :]
+    return {
+        d
+        for name in args
+        for d, p in enumerate(fixed.get(name, ()))
+        if isinstance(p, Shard) and p.dim == 0 and mesh.size(d) > 1
+    }
+
+
+def _derived_from_inputs(joint: JointGraph) -> set[torch.fx.Node]:
+    args = set(joint.placeholder_names[len(joint.param_names) + len(joint.buffer_names) :])
+    out: set[torch.fx.Node] = set()
+    for node in joint.gm.graph.nodes:
+        if (node.op == "placeholder" and node.name in args) or any(
+            a in out for a in node.all_input_nodes
+        ):
+            out.add(node)
+    return out
 
 
 def _solve_once(problem: Problem, solver: str, mesh: DeviceMesh) -> dict[torch.fx.Node, int]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,7 @@ class NodeStrategies:
     input_placements: list[tuple[Placements, ...]]
     source: str  # "registry", "replicated fallback: <why>", "plan", "constant", "free"
     candidates: dict[int, list[Placements]] = field(default_factory=dict)
+    internal: list[tuple[Any, ...]] = field(default_factory=list)  # CommSteps inside the op
 
     def out_candidates(self, k: int | None) -> list[Placements]:
         """Distinct placements of output ``k`` over the strategies, in strategy order."""
@@ -269,18 +271,30 @@ def _zero_cost(*_args: Any, **_kwargs: Any) -> float:
     return 0.0
 
 
+Refine = Callable[
+    [NodeStrategies, DeviceMesh, "dict[torch.fx.Node, NodeStrategies]"], NodeStrategies
+]
+
+
 def propagate(
-    gm: torch.fx.GraphModule, mesh: DeviceMesh, fixed: dict[str, Placements]
+    gm: torch.fx.GraphModule,
+    mesh: DeviceMesh,
+    fixed: dict[str, Placements],
+    refine: Refine | None = None,
 ) -> dict[torch.fx.Node, NodeStrategies]:
     """Strategies of every node of ``gm`` (placeholders: ``fixed[name]`` or, when absent,
     every placement of :func:`free_candidates`). Getitem nodes are not listed: consumers
-    read ``(tuple node, index)`` directly."""
+    read ``(tuple node, index)`` directly. ``refine`` may replace a node's strategies
+    before its consumers see them (:mod:`vescale.plan.handlers`)."""
     with _without_upstream_costs(), vescale_rules(True):  # the rules eager vescale uses
-        return _propagate(gm, mesh, fixed)
+        return _propagate(gm, mesh, fixed, refine)
 
 
 def _propagate(
-    gm: torch.fx.GraphModule, mesh: DeviceMesh, fixed: dict[str, Placements]
+    gm: torch.fx.GraphModule,
+    mesh: DeviceMesh,
+    fixed: dict[str, Placements],
+    refine: Refine | None,
 ) -> dict[torch.fx.Node, NodeStrategies]:
     table: dict[torch.fx.Node, NodeStrategies] = {}
     for node in gm.graph.nodes:
@@ -313,7 +327,7 @@ def _propagate(
             if found is None:
                 _, _, inputs = _schema_args(node, table, mesh)
                 found = _replicated(node, inputs, mesh, f"replicated fallback: {why}")
-            table[node] = found
+            table[node] = refine(found, mesh, table) if refine is not None else found
     return table
 
 

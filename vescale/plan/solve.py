@@ -7,8 +7,8 @@ then branch and bound only if it is not): a binary
 ``x[n, s]`` per node and strategy, one per node; per edge (producer value -> consumer input)
 a variable ``y[a, b]`` per pair of producer placements ``a`` and required placements ``b``
 with cost ``c(a -> b)``, tied to both ends by ``sum_b y[a, b] = sum_{s: out(s)=a} x[p, s]``
-and ``sum_a y[a, b] = sum_{t: in(t)=b} x[c, t]``. Minimizing ``sum c y`` is the total
-redistribution time of forward and backward. Plan placements are the only strategy of their
+and ``sum_a y[a, b] = sum_{t: in(t)=b} x[c, t]``. Minimizing ``sum c y + sum w x`` (``w``: the
+strategy's estimated compute) is the estimated time of forward and backward. Plan placements are the only strategy of their
 placeholders (hard); a gradient output must arrive in its parameter's placements. Ties go to
 the earlier strategy (a cost of ``1e-9`` x its index in the registry's order), so every rank,
 solving the same problem, makes the same choice.
@@ -46,6 +46,7 @@ class Problem:
     table: dict[torch.fx.Node, NodeStrategies]
     demands: list[Demand]
     cost: Callable[[Value, Placements, Placements], float | None]  # us, None: impossible
+    compute: Callable[[torch.fx.Node, int], float]  # us of a node's strategy
 
 
 def _producer_groups(ns: NodeStrategies, k: int | None) -> dict[Placements, list[int]]:
@@ -64,7 +65,7 @@ def solve_global(problem: Problem) -> dict[torch.fx.Node, int]:
     for node, ns in problem.table.items():
         for s in range(len(ns.outputs)):
             index[(node, s)] = len(costs)
-            costs.append(TIE * s)
+            costs.append(problem.compute(node, s) + TIE * s)
     rows: list[int] = []
     cols: list[int] = []
     vals: list[float] = []
@@ -145,7 +146,7 @@ def solve_greedy(problem: Problem) -> dict[torch.fx.Node, int]:
             continue
         best, best_cost = 0, float("inf")
         for s in range(len(ns.outputs)):
-            total = 0.0
+            total = problem.compute(node, s)
             for demand in by_consumer.get(node, []):
                 producer, k = demand.value
                 a = problem.table[producer].outputs[chosen[producer]][0 if k is None else k]

@@ -1,0 +1,92 @@
+"""The plan path on the demo GPT (examples/gpt.py without ``parallelize``) on a (dp=2, tp=2)
+gloo mesh, with a plan naming only the linear weights, the embeddings, the head and the batch:
+training equals one device, the chosen placements equal the hand-written model's, and a step
+issues no more collectives and bytes than the hand-written model (DDP) does."""
+
+from __future__ import annotations
+
+import torch
+
+import vescale
+from tests.harness.collectives import count_collectives
+from tests.plan.gpt_cases import ALPHA_BETA, BATCH, CFG, GPT_PLAN, gpt_mesh, train
+
+
+def _check_trains_like_one_device(compile: bool) -> None:
+    import gpt
+
+    torch._dynamo.reset()
+    batches = [gpt.batch(CFG, i) for i in range(3)]
+    ref_losses, ref_params = train(gpt.build(CFG), batches)
+    model = vescale.parallelize(
+        gpt.build(CFG),
+        gpt_mesh(),
+        GPT_PLAN,
+        inputs=[BATCH, BATCH],
+        example_inputs=batches[0],
+        alpha_beta=ALPHA_BETA,
+        compile=compile,
+        options={"codegen": "fx", "strict": True},
+    )
+    losses, params = train(model, batches)
+    initial = dict(gpt.build(CFG).named_parameters())
+    assert not torch.equal(ref_params["head.weight"], initial["head.weight"])  # it trains
+    assert all(abs(a - b) < 1e-5 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    assert params.keys() == ref_params.keys()
+    for k, v in params.items():
+        torch.testing.assert_close(v, ref_params[k], atol=1e-5, rtol=0, msg=k)
+    # the cross-check of the two paths: every parameter placed as gpt.parallelize places it
+    hand = gpt.parallelize(gpt.build(CFG), gpt_mesh())
+    chosen = model.program.param_placements()
+    for name, p in hand.named_parameters():
+        assert tuple(p.placements) == chosen[name], (name, p.placements, chosen[name])
+
+
+def test_plan_gpt_trains_like_one_device_eager(pool4):
+    pool4.run(_check_trains_like_one_device, False, timeout_s=600)
+
+
+def test_plan_gpt_trains_like_one_device_compiled(pool4):
+    pool4.run(_check_trains_like_one_device, True, timeout_s=600)
+
+
+def _check_no_more_communication_than_hand_written() -> tuple[dict, dict]:
+    import gpt
+
+    from vescale.ddp import DistributedDataParallel
+
+    mesh = gpt_mesh()
+    ids, tgt = gpt.batch(CFG, 0)
+    hand = DistributedDataParallel(gpt.parallelize(gpt.build(CFG), mesh), bucket_cap_mb=0)
+    inputs = gpt.shard_batch(mesh, ids, tgt)
+    with count_collectives() as hand_counts:  # one step, and the loss value for the log
+        hand(*inputs).backward()
+        hand.module.zero_grad()
+    loss = hand(*inputs)
+    with count_collectives() as hand_log:
+        loss.full_tensor()
+    model = vescale.parallelize(
+        gpt.build(CFG),
+        mesh,
+        GPT_PLAN,
+        inputs=[BATCH, BATCH],
+        example_inputs=(ids, tgt),
+        alpha_beta=ALPHA_BETA,
+        compile=False,
+    )
+    with count_collectives() as plan_counts:
+        out = model(ids, tgt)
+        out.backward()
+        out.full_tensor()
+    hand_total = hand_counts + hand_log
+    hand_bytes = hand_counts.bytes + hand_log.bytes
+    assert sum(plan_counts.values()) <= sum(hand_total.values()), (plan_counts, hand_total)
+    assert sum(plan_counts.bytes.values()) <= sum(hand_bytes.values()), (
+        plan_counts.bytes,
+        hand_bytes,
+    )
+    return dict(plan_counts), dict(hand_total)
+
+
+def test_plan_gpt_no_more_communication_than_hand_written(pool4):
+    pool4.run(_check_no_more_communication_than_hand_written, timeout_s=600)

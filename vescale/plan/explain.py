@@ -1,0 +1,196 @@
+"""What the plan path chose and why: per node its placements and the alternatives' costs,
+every redistribution with the op that wanted it, and bytes per step by mesh dim and kind."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vescale.plan.cost import CommStep
+from vescale.plan.program import PlacedProgram
+from vescale.plan.propagate import Placements
+
+__all__ = ["Explanation", "Redistribution", "explain"]
+
+
+def _fmt(placements: Placements | None) -> str:
+    if placements is None:
+        return "-"
+    short = {"Replicate()": "R"}
+    out = []
+    for p in placements:
+        text = repr(p)
+        text = short.get(text, text)
+        text = text.replace("Shard(dim=", "S(").replace("Partial(sum)", "P")
+        out.append(text)
+    return "(" + ", ".join(out) + ")"
+
+
+@dataclass(frozen=True)
+class Redistribution:
+    """One inserted redistribution: ``value`` from ``src`` to ``dst`` for ``reason``."""
+
+    value: str
+    src: Placements
+    dst: Placements
+    steps: tuple[CommStep, ...]
+    reason: str
+    source: str
+    cost_us: float
+
+
+@dataclass
+class Explanation:
+    solver: str
+    alpha_beta: Any
+    nodes: list[tuple[str, str, str, list[tuple[str, float]]]]  # name, op, chosen, alternatives
+    redistributions: list[Redistribution]
+    timings_s: dict[str, float]
+    measured: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def bytes_by_dim_and_kind(self) -> Counter[tuple[int, str]]:
+        out: Counter[tuple[int, str]] = Counter()
+        for r in self.redistributions:
+            for s in r.steps:
+                out[(s.mesh_dim, s.kind)] += s.bytes
+        return out
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_dim_and_kind.values())
+
+    @property
+    def collective_count(self) -> int:
+        return sum(len(r.steps) for r in self.redistributions)
+
+    @property
+    def estimated_us(self) -> float:
+        return sum(r.cost_us for r in self.redistributions)
+
+    def summary(self) -> str:
+        ab = self.alpha_beta
+        lines = [
+            f"solver: {self.solver}; propagate {self.timings_s.get('propagate', 0):.2f} s, "
+            f"solve {self.timings_s.get('solve', 0):.2f} s",
+            "alpha (us) / beta (ns/B) per mesh dim: "
+            + ", ".join(f"{a * 1e6:.1f} / {b * 1e9:.3f}" for a, b in zip(ab.alpha, ab.beta)),
+            f"collectives per step: {self.collective_count}, bytes per step: {self.total_bytes}, "
+            f"estimated communication time: {self.estimated_us:.1f} us",
+            "| mesh dim | kind | count | bytes |",
+            "|---|---|---|---|",
+        ]
+        counts: Counter[tuple[int, str]] = Counter(
+            (s.mesh_dim, s.kind) for r in self.redistributions for s in r.steps
+        )
+        for (dim, kind), b in sorted(self.bytes_by_dim_and_kind.items()):
+            lines.append(f"| {dim} | {kind} | {counts[(dim, kind)]} | {b} |")
+        for k, v in self.measured.items():
+            lines.append(f"measured {k}: {v}")
+        return "\n".join(lines)
+
+    def markdown(self) -> str:
+        lines = ["# placements", "", self.summary(), "", "## redistributions", ""]
+        lines += [
+            "| value | from | to | collectives | est. us | why | source |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in self.redistributions:
+            steps = ", ".join(f"{s.kind}[dim {s.mesh_dim}] {s.bytes} B" for s in r.steps) or "local"
+            lines.append(
+                f"| {r.value} | {_fmt(r.src)} | {_fmt(r.dst)} | {steps} | {r.cost_us:.1f} | "
+                f"{r.reason} | {r.source} |"
+            )
+        lines += [
+            "",
+            "## nodes",
+            "",
+            "| node | op | chosen | alternatives (est. us of their input redistributions) |",
+        ]
+        lines.append("|---|---|---|---|")
+        for name, op, chosen, alts in self.nodes:
+            alt = "; ".join(f"{p} {c:.1f}" for p, c in alts)
+            lines.append(f"| {name} | {op} | {chosen} | {alt} |")
+        return "\n".join(lines) + "\n"
+
+    def write(self, folder: str | Path) -> Path:
+        path = Path(folder) / "placements.md"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.markdown())
+        return path
+
+
+def _source(node: torch.fx.Node | None) -> str:
+    trace = (node.meta.get("stack_trace") or "") if node is not None else ""
+    frames = [ln.strip() for ln in trace.splitlines() if ln.strip().startswith("File ")]
+    user = [f for f in frames if "/torch/" not in f and "/vescale/plan/" not in f]
+    if not user:
+        return ""
+    parts = user[-1].split('"')
+    path = parts[1].rsplit("/", 1)[-1] if len(parts) > 1 else "?"
+    line = user[-1].split("line ")[-1].split(",")[0]
+    return f"{path}:{line}"
+
+
+def explain(program: PlacedProgram, max_alternatives: int = 3) -> Explanation:
+    """The :class:`Explanation` of ``program`` (also ``PlannedModule.explain()``)."""
+    redistributions = []
+    for demand in program.demands:
+        src = program.placements(demand.value)
+        dst = program.required(demand)
+        if src == dst:
+            continue
+        steps = tuple(program.steps(demand.value, src, dst))
+        node, k = demand.value
+        consumer = next((n for _, n, _ in demand.options if n is not None), None)
+        name = node.name if k is None else f"{node.name}[{k}]"
+        cost = sum(program.alpha_beta.time(s) for s in steps) * 1e6
+        where = consumer if consumer is not None and consumer.op != "placeholder" else node
+        redistributions.append(
+            Redistribution(name, src, dst, steps, demand.reason, _source(where), cost)
+        )
+    for node, ns in program.table.items():
+        inside = tuple(ns.internal[program.chosen[node]]) if ns.internal else ()
+        if inside:
+            cost = sum(program.alpha_beta.time(s) for s in inside) * 1e6
+            p = ns.outputs[program.chosen[node]][0]
+            assert p is not None
+            why = f"inside {node.target} (vescale's handler)"
+            redistributions.append(
+                Redistribution(node.name, p, p, inside, why, _source(node), cost)
+            )
+    by_consumer: dict[torch.fx.Node, list[Any]] = {}
+    for demand in program.demands:
+        consumer = demand.options[0][1]
+        if consumer is not None and consumer.op != "placeholder":
+            by_consumer.setdefault(consumer, []).append(demand)
+    nodes = []
+    for node, ns in program.table.items():
+        if node.op == "placeholder" or ns.source == "constant":
+            continue
+        alts: dict[str, float] = {}
+        for s, outs in enumerate(ns.outputs):
+            total = 0.0
+            for i, demand in enumerate(by_consumer.get(node, [])):
+                src = program.placements(demand.value)
+                needed = program.steps(demand.value, src, ns.input_placements[s][i])
+                total += sum(program.alpha_beta.time(st) for st in needed) * 1e6
+            key = _fmt(outs[0]) if len(outs) == 1 else "/".join(_fmt(o) for o in outs)
+            alts[key] = min(total, alts.get(key, float("inf")))
+        chosen_outs = ns.outputs[program.chosen[node]]
+        chosen = (
+            _fmt(chosen_outs[0])
+            if len(chosen_outs) == 1
+            else "/".join(_fmt(o) for o in chosen_outs)
+        )
+        others = sorted(((p, c) for p, c in alts.items() if p != chosen), key=lambda x: x[1])
+        op = str(node.target).removeprefix("aten.")
+        label = op if ns.source == "registry" else f"{op} [{ns.source}]"
+        nodes.append((node.name, label, chosen, others[:max_alternatives]))
+    return Explanation(
+        program.solver, program.alpha_beta, nodes, redistributions, dict(program.timings_s)
+    )
