@@ -237,6 +237,12 @@ def distribute_tensor(
     pl = normalize_placements(
         placements, mesh, tensor.ndim, what="distribute_tensor", shape=tensor.shape
     )
+    if not tensor.is_leaf:
+        raise RuntimeError(
+            f"distribute_tensor: only leaf tensors can be distributed (got a non-leaf, made by "
+            f"{type(tensor.grad_fn).__name__}, for {pl} on {mesh}): gradients would not reach "
+            f"its source; distribute the leaf, or pass tensor.detach()"
+        )
     # Partial dims: first replicate, then partition locally
     upstream_pl = spec_placements(_grad_placements(pl))
     src = tensor.detach()
@@ -272,7 +278,8 @@ def from_local(
     Replicate data consistent by broadcasting coordinate 0's local tensor (never in place).
     ``async_input=False`` waits an in-flight async collective input first. Inside
     ``torch.compile`` nothing is communicated: shards are assumed even unless ``shape`` and
-    ``stride`` are given, and ``run_check`` is skipped.
+    ``stride`` are given, and ``run_check`` is skipped. A rank outside ``device_mesh`` gets
+    an empty local tensor and communicates nothing (the global shape assumes even shards).
     """
     if isinstance(local_tensor, _UpstreamDTensor):
         raise TypeError(
@@ -297,11 +304,13 @@ def from_local(
     if not async_input:
         local_tensor = wait_local(local_tensor)
     tracing = are_we_tracing()  # no data-dependent communication inside a compiled graph
+    outside = not tracing and mesh.get_coordinate() is None
     if shape is not None:
         gshape, gstride = torch.Size(shape), tuple(stride)  # type: ignore[arg-type]
     elif (
         support_uneven
         and not tracing
+        and not outside
         and mesh.device_type != "meta"
         and any(p.is_shard() for p in pl)
     ):
@@ -319,8 +328,10 @@ def from_local(
                 f"from_local: local shape {tuple(local_tensor.shape)} does not match the "
                 f"shard {expected} of global shape {tuple(gshape)} with placements {pl} on {mesh}"
             )
+    if outside:  # upstream's rule: an empty local tensor, no communication
+        local_tensor = local_tensor.new_empty(0, requires_grad=local_tensor.requires_grad)
     run_check = run_check and os.environ.get("VESCALE_DISABLE_RUN_CHECK", "0") != "1"
-    run_check = run_check and mesh.device_type != "meta" and not tracing
+    run_check = run_check and mesh.device_type != "meta" and not tracing and not outside
     return _FromLocal.apply(local_tensor, spec, gp, run_check)  # type: ignore[no-any-return]
 
 

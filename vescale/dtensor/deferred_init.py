@@ -99,8 +99,9 @@ class _Record:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
-    device: torch.device
+    device: torch.device  # where replay runs
     steps: list[_Step] = field(default_factory=list)
+    shown: torch.device | None = None  # the device the tensor reports, when not ``device``
 
 
 class _DeferredTensor(torch.Tensor):
@@ -122,7 +123,7 @@ class _DeferredTensor(torch.Tensor):
             meta.shape,
             strides=meta.stride(),
             dtype=meta.dtype,
-            device=record.device,
+            device=record.shown or record.device,
             requires_grad=requires_grad,
         )
         t._record, t._view = record, view
@@ -156,8 +157,18 @@ def _meta(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
+def _replay_device(device: torch.device) -> torch.device:
+    """Where a deferred tensor asked for on ``device`` is replayed: a ``meta`` request
+    (``torch.device("meta")`` around ``deferred_init``) is deferred like any other and
+    materializes as the CPU tensor (CPU generator included)."""
+    return torch.device("cpu") if device.type == "meta" else device
+
+
 def _new(meta: torch.Tensor, device: torch.device, step: _Step) -> _DeferredTensor:
-    record = _Record(tuple(meta.shape), tuple(meta.stride()), meta.dtype, device, [step])
+    shape, stride = tuple(meta.shape), tuple(meta.stride())
+    replay = _replay_device(device)
+    shown = device if replay != device else None
+    record = _Record(shape, stride, meta.dtype, replay, [step], shown)
     return _DeferredTensor(meta, record, ())
 
 
@@ -248,7 +259,7 @@ def _meta_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 def _factory(func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     device = _device_of(kwargs)
     returns = func._schema.returns
-    if device.type == "meta" or len(returns) != 1 or str(returns[0].type) != "Tensor":
+    if len(returns) != 1 or str(returns[0].type) != "Tensor":
         return func(*args, **kwargs)
     if torch.Tag.nondeterministic_seeded in func.tags and func not in _RANDOM_FACTORIES:
         return func(*args, **kwargs)  # an unmodelled random factory: run it eagerly
@@ -277,6 +288,8 @@ def _create(
             at = names.index("fill_value")
             value = args[at] if at < len(args) else kwargs["fill_value"]
         return _new(meta, device, _Step("fill", value=value))
+    if "device" in kwargs:  # replay where the record runs
+        kwargs = {**kwargs, "device": _replay_device(device)}
     return _new(meta, device, _Step("factory", func, args, kwargs))
 
 

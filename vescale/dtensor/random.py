@@ -40,16 +40,19 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale.dtensor._torch_compat import StridedShard
+from vescale.dtensor._torch_compat import DTensorSpec, StridedShard, TensorMeta
 from vescale.dtensor.dispatch import bypass_dispatch
-from vescale.dtensor.placement_types import Placement, Shard
+from vescale.dtensor.dtensor import new_dtensor
+from vescale.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from vescale.dtensor.redistribute import replicate_to_partial, wait_local
 
 __all__ = [
     "PIECE_ELEMENTS",
@@ -365,33 +368,169 @@ def _scatter(stream: _Stream, shape: list[int], indices: Indices, out: torch.Ten
 
 # ---- DTensor random ops ----------------------------------------------------------------
 
+_RANDOM_FROM = getattr(aten.random_, "from")
+INPLACE_RANDOM_OPS = (
+    *RANDOM_OPS,
+    aten.bernoulli_.Tensor,
+    aten.exponential_.default,
+    aten.cauchy_.default,
+    aten.log_normal_.default,
+    aten.geometric_.default,
+    aten.random_.default,
+    _RANDOM_FROM,
+    aten.random_.to,
+)
+"""In-place random ops on a DTensor: each rank fills its shard with the single-device values."""
+
+_LikeFill = Callable[[tuple[Any, ...]], tuple[torch._ops.OpOverload, tuple[Any, ...]]]
+_UNIT = (_UNIFORM, (0.0, 1.0))
+_STD = (_NORMAL, (0.0, 1.0))
+_LIKE_OPS: dict[torch._ops.OpOverload, tuple[_LikeFill, bool]] = {
+    aten.rand_like.default: (lambda a: _UNIT, True),
+    aten.rand_like.generator: (lambda a: _UNIT, True),
+    aten.randn_like.default: (lambda a: _STD, True),
+    aten.randn_like.generator: (lambda a: _STD, True),
+    aten.randint_like.default: (lambda a: (_RANDOM_FROM, (0, a[1])), True),
+    aten.randint_like.generator: (lambda a: (_RANDOM_FROM, (0, a[1])), True),
+    aten.randint_like.Tensor: (lambda a: (_RANDOM_FROM, (0, int(a[1]))), True),
+    aten.randint_like.Tensor_generator: (lambda a: (_RANDOM_FROM, (0, int(a[1]))), True),
+    aten.randint_like.low_dtype: (lambda a: (_RANDOM_FROM, (a[1], a[2])), True),
+    aten.randint_like.low_generator_dtype: (lambda a: (_RANDOM_FROM, (a[1], a[2])), True),
+    aten.bernoulli.p: (lambda a: (_BERNOULLI, (a[1],)), False),
+    aten.bernoulli.default: (lambda a: (aten.bernoulli_.Tensor, (a[0],)), False),
+}
+"""Out-of-place random op -> (the in-place op and args ATen fills ``empty_like(self)`` with,
+whether ``empty_like`` keeps the input's strides (``preserve_format``) or is contiguous)."""
+
+
+@functools.cache
+def _bernoulli_tensor_is_uniform(dtype: torch.dtype) -> bool:
+    """Whether CPU ``bernoulli_(p)`` with a ``dtype`` tensor ``p`` is ``uniform_ < p`` on a
+    ``dtype`` buffer, element by element (torch's serial kernel: same words, same values)."""
+    p = torch.linspace(0.0, 1.0, 37, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    out = torch.empty(37).bernoulli_(p, generator=g)
+    h = torch.Generator().manual_seed(0)
+    u = torch.empty(37, dtype=dtype).uniform_(generator=h)
+    return torch.equal(g.get_state(), h.get_state()) and torch.equal(out, (u < p).float())
+
+
+def _fill_values(
+    op: torch._ops.OpOverload, rop: RandomOp, spec: Any, local: torch.Tensor
+) -> torch.Tensor | None:
+    """The single-device values of ``rop`` on the global tensor of ``spec`` at this rank's
+    indices (``None`` off the mesh, where the generator is only advanced)."""
+    device = local.device
+    indices = (
+        local_indices(spec.shape, spec.mesh, spec.placements)
+        if spec.mesh._is_current_rank_part_of_mesh()
+        else None
+    )
+    if rop.op is not aten.bernoulli_.Tensor:
+        return run_random(rop, spec.shape, local.dtype, device, indices, stride=spec.stride)
+    p = rop.args[0]
+    uniform = device.type == "cpu" and _bernoulli_tensor_is_uniform(p.dtype)
+    if indices is None:  # off the mesh only the words drawn matter, not p's values
+        p = torch.zeros((), dtype=p.dtype)
+    else:  # the bounded fallback needs p everywhere
+        p = _probabilities(op, p, spec, indices if uniform else None)
+    if uniform:
+        u = run_random(
+            RandomOp(_UNIFORM, (0.0, 1.0), rop.generator), spec.shape, p.dtype, device, indices
+        )
+        return None if u is None else (u < p).to(local.dtype)
+    whole = RandomOp(rop.op, (p,), rop.generator)
+    return run_random(whole, spec.shape, local.dtype, device, indices, stride=spec.stride)
+
+
+def _probabilities(op: torch._ops.OpOverload, p: Any, spec: Any, indices: Indices | None) -> Any:
+    """``bernoulli_``'s probabilities at ``indices`` (all of them, broadcast, for ``None``):
+    a DTensor laid out like the output is used locally, any other is replicated."""
+    from vescale.dtensor.dispatch import redistribute_for
+
+    if not isinstance(p, _UpstreamDTensor):
+        full = torch.as_tensor(p).expand(spec.shape)
+        return full if indices is None else take_local(full, indices)
+    same = tuple(p._spec.placements) == tuple(spec.placements) and p.shape == spec.shape
+    if indices is not None and same and not any(x.is_partial() for x in spec.placements):
+        return wait_local(p._local_tensor)
+    replicated = redistribute_for(op, p, [Replicate()] * p.device_mesh.ndim)
+    full = wait_local(replicated._local_tensor).expand(spec.shape)
+    return full if indices is None else take_local(full, indices)
+
+
+def _fill(op: torch._ops.OpOverload, rop: RandomOp, dt: _UpstreamDTensor) -> None:
+    """Fill ``dt`` in place with ``rop``'s single-device values; a Partial mesh dim holds them
+    as :func:`replicate_to_partial` lays a replicated value out."""
+    spec = dt._spec
+    local = dt._local_tensor
+    values = _fill_values(op, rop, spec, local)
+    if values is None:
+        return
+    for mesh_dim, p in enumerate(spec.placements):
+        if isinstance(p, Partial):
+            coordinate = spec.mesh.get_local_rank(mesh_dim)
+            values = replicate_to_partial(values, p.reduce_op, coordinate)
+    local.copy_(values.view(local.shape))
+
 
 def _dtensor_random(
     op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """``op`` on a DTensor: each rank fills its shard with the single-device values."""
+    """An in-place random ``op`` on a DTensor (see :data:`INPLACE_RANDOM_OPS`)."""
+    _fill(op, random_op_of(op, args, kwargs), args[0])
+    return args[0]
+
+
+def _dtensor_random_like(
+    op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """An out-of-place random ``op`` (``rand_like``, ``bernoulli``, ...): a new DTensor laid
+    out like the input (Partial mesh dims replicated) with the single-device values."""
     dt = args[0]
+    fill, preserve = _LIKE_OPS[op]
+    inplace, fill_args = fill(args)
     spec = dt._spec
-    mesh = spec.mesh
-    rop = random_op_of(op, args, kwargs)
-    if not mesh._is_current_rank_part_of_mesh():  # the generator still advances as on the mesh
-        run_random(rop, spec.shape, dt.dtype, dt._local_tensor.device, None, stride=spec.stride)
-        return dt
-    if any(p.is_partial() for p in spec.placements):
-        raise ValueError(
-            f"{op}: random fill of a Partial DTensor {tuple(spec.placements)} is ambiguous; "
-            f"redistribute it to Replicate or Shard first"
-        )
-    local = dt._local_tensor
-    indices = local_indices(spec.shape, mesh, spec.placements)
-    values = run_random(rop, spec.shape, local.dtype, local.device, indices, stride=spec.stride)
-    assert values is not None
-    local.copy_(values.view(local.shape))
-    return dt
+    dtype = kwargs.get("dtype") or dt.dtype
+    fmt = kwargs.get("memory_format") or torch.preserve_format
+    keep = preserve and fmt == torch.preserve_format
+    stride = spec.stride if keep else _contiguous_stride(spec.shape)
+    local = torch.empty_like(
+        dt._local_tensor, dtype=dtype, memory_format=fmt if keep else torch.contiguous_format
+    )
+    placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+    meta = TensorMeta(spec.shape, tuple(stride), dtype)
+    out = new_dtensor(
+        local, DTensorSpec(spec.mesh, placements, tensor_meta=meta), requires_grad=False
+    )
+    _fill(op, RandomOp(inplace, fill_args, kwargs.get("generator")), out)
+    return out
 
 
-for _op in RANDOM_OPS:
+def _native_dropout(
+    op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Any]:
+    """``native_dropout`` as ATen's CPU kernel computes it: a ``bernoulli_(1 - p)`` bool mask
+    laid out like the input (Partial mesh dims replicated), ``out = x * mask * 1 / (1 - p)``
+    (linear in ``x``, so a Partial input stays Partial)."""
+    x, p, train = (*args, None)[:3]
+    mask = _dtensor_random_like(aten.bernoulli.p, (x, 1.0 - p), {"dtype": torch.bool})
+    local = x._local_tensor
+    if train is False:
+        mask._local_tensor.fill_(True)
+        out_local = local.clone()
+    else:
+        scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
+        out_local = local.mul(mask._local_tensor).mul_(scale)
+    out = new_dtensor(out_local, x._spec, requires_grad=False)
+    return out, mask
+
+
+for _op in INPLACE_RANDOM_OPS:
     bypass_dispatch(_op)(_dtensor_random)
+for _op in _LIKE_OPS:
+    bypass_dispatch(_op)(_dtensor_random_like)
+bypass_dispatch(aten.native_dropout.default)(_native_dropout)
 
 
 # ---- veScale legacy's seeding API ------------------------------------------------------

@@ -1,9 +1,11 @@
 """``torch.equal`` with the minimum communication.
 
-Different global shapes answer ``False`` from metadata; equal Shard/Replicate layouts compare
-local shards and all-reduce the verdict (MIN) over the sharded mesh dims only, so Replicate
-tensors need no communication and sub-meshes never talk to ranks outside them. Other
-layouts go through the strategy (which redistributes, or raises in explicit mode).
+Different global shapes or dtypes answer ``False`` from metadata. Otherwise both inputs are
+laid out as the first one's placements (Partial mesh dims replicated; an input needing
+communication for it raises in explicit mode), local shards are compared, and the verdict is
+all-reduced (MIN) over the sharded mesh dims only: Replicate tensors need no communication
+and sub-meshes never talk to ranks outside them. A rank outside the mesh answers ``True``
+(upstream's default) without communicating.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale.dtensor.dispatch import bypass_dispatch, python_dispatch
+from vescale.dtensor.dispatch import bypass_dispatch, python_dispatch, redistribute_for
+from vescale.dtensor.placement_types import Replicate
+from vescale.dtensor.redistribute import wait_local
 
 aten = torch.ops.aten
 
@@ -25,14 +29,17 @@ def equal(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, An
     a, b = args
     if not (isinstance(a, _UpstreamDTensor) and isinstance(b, _UpstreamDTensor)):
         return bool(python_dispatch(op, args, kwargs))
+    mesh = a.device_mesh
+    if mesh != b.device_mesh:
+        return bool(python_dispatch(op, args, kwargs))
+    if not mesh._is_current_rank_part_of_mesh():
+        return True
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    same_layout = a.device_mesh == b.device_mesh and a.placements == b.placements
-    if not same_layout or any(p.is_partial() for p in a.placements):
-        return bool(python_dispatch(op, args, kwargs))
-    verdict = torch.equal(a._local_tensor, b._local_tensor)
-    mesh = a.device_mesh
-    sharded = [i for i, p in enumerate(a.placements) if p.is_shard() and mesh.size(i) > 1]
+    target = [Replicate() if p.is_partial() else p for p in a.placements]
+    a, b = redistribute_for(op, a, target), redistribute_for(op, b, target)
+    verdict = torch.equal(wait_local(a._local_tensor), wait_local(b._local_tensor))
+    sharded = [i for i, p in enumerate(target) if p.is_shard() and mesh.size(i) > 1]
     if not sharded:
         return verdict
     flag = torch.tensor(int(verdict), device=a._local_tensor.device)

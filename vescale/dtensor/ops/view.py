@@ -5,15 +5,22 @@ flattening an unevenly sharded dim (``view(3 * 5, ...)`` of a ``(3, 5, ...)`` te
 on dim 0 over 2 ranks: what the math attention decomposition does on an uneven batch), or
 expanding a size-1 dim that is "sharded" (``expand_as`` of a ``(n, 1)`` tensor sharded on
 dim 1); and it computes wrong local shapes for a dim sharded over two mesh dims where some
-rank's shard is empty (2 rows over a 2x2 mesh), which is treated the same way. Here the strategy is retried with the input replicated on the fewest mesh dims
-that make it work (each one alone, innermost first, then all): the dispatcher redistributes
-the input to it (or raises in explicit mode), and every view the strategy accepts is
-unchanged.
+rank's shard is empty (2 rows over a 2x2 mesh), which is treated the same way. A
+reshape of an interleaved (strided) shard is checked element by element, because upstream
+claims layouts for some that are not what the local view holds (``(96, 30)`` as
+``InterleavedShard(0, 4)`` viewed as ``(8, 12, 30)``): a claim that does not map every
+rank's elements to its own is refused like an error. Here the strategy is retried with the
+input's interleaved shards made plain, then with the input replicated on the fewest mesh
+dims that make it work (each one alone, innermost first, then all): the dispatcher
+redistributes the input to it (or raises in explicit mode), and every view the strategy
+accepts is unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,10 +30,12 @@ from vescale.dtensor._torch_compat import (
     OpSchema,
     OpSpec,
     OpStrategy,
+    StridedShard,
 )
 from vescale.dtensor.ops._layout import empty_shard_dims
 from vescale.dtensor.ops._registry import wrap_upstream_strategy
-from vescale.dtensor.placement_types import Placement, Replicate
+from vescale.dtensor.placement_types import Placement, Replicate, Shard
+from vescale.dtensor.random import local_indices
 
 __all__ = ["RETRIED_VIEW_OPS"]
 
@@ -52,12 +61,71 @@ def _with_input(schema: OpSchema, placements: tuple[Placement, ...]) -> OpSchema
 
 
 def _candidates(placements: tuple[Placement, ...]) -> list[tuple[Placement, ...]]:
+    plain = tuple(Shard(p.dim) if isinstance(p, StridedShard) else p for p in placements)
     sharded = [i for i, p in enumerate(placements) if p.is_shard()]
     one = [
         tuple(Replicate() if i == m else p for i, p in enumerate(placements))
         for m in reversed(sharded)
     ]
-    return [*one, (Replicate(),) * len(placements)]
+    return [*([plain] if plain != placements else []), *one, (Replicate(),) * len(placements)]
+
+
+def _dim_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """The dims of ``src`` and ``dst`` (same numel, > 0) that a reshape maps onto each other:
+    runs between the prefix products both shapes share."""
+    bounds = sorted(
+        {math.prod(src[:k]) for k in range(len(src) + 1)}
+        & {math.prod(dst[:k]) for k in range(len(dst) + 1)}
+    )[1:]
+
+    def group(shape: Sequence[int]) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in bounds]
+        for d in range(len(shape)):
+            end = math.prod(shape[: d + 1])
+            out[next(i for i, b in enumerate(bounds) if b >= end)].append(d)
+        return out
+
+    return list(zip(group(src), group(dst)))
+
+
+def _flat(indices: Sequence[Any], shape: Sequence[int], dims: list[int]) -> Any:
+    flat = torch.zeros(1, dtype=torch.int64)
+    for d in dims:
+        flat = (flat.view(-1, 1) * shape[d] + indices[d].view(1, -1)).flatten()
+    return flat
+
+
+def _maps_elements(src: DTensorSpec, dst: DTensorSpec, shape: Sequence[int]) -> bool:
+    """Whether, on every rank, the local reshape of ``src``'s shard holds exactly ``dst``'s
+    shard of global ``shape``, in order (each group of dims the reshape maps onto each other
+    compared apart)."""
+    if src.mesh != dst.mesh or math.prod(shape) == 0:
+        return True
+    groups = _dim_groups(list(src.shape), list(shape))
+    for coord in itertools.product(*(range(n) for n in src.mesh.shape)):
+        ins = local_indices(src.shape, src.mesh, src.placements, coord)
+        outs = local_indices(shape, dst.mesh, dst.placements, coord)
+        for a, b in groups:
+            if not torch.equal(_flat(ins, src.shape, a), _flat(outs, shape, b)):
+                return False
+    return True
+
+
+def _check_strided(schema: OpSchema, out: Any) -> None:
+    """Refuse a reshape strategy that mislays an interleaved shard (see module docstring)."""
+    if schema.op is aten.expand.default or not isinstance(out, OpStrategy):
+        return
+    first = schema.args_schema[0]
+    assert isinstance(first, OpStrategy)
+    given = first.strategies[0].output_spec
+    size: Any = schema.args_schema[1]
+    shape = torch.empty(given.shape, device="meta").view(size).shape
+    for spec in out.strategies:
+        src = spec.input_specs[0] if spec.input_specs else given
+        dst = spec.output_spec
+        strided = any(isinstance(p, StridedShard) for p in (*src.placements, *dst.placements))
+        if strided and not _maps_elements(src, dst, shape):
+            raise ValueError(f"{schema.op}: {src} does not view as {dst}")
 
 
 def _nested_empty(spec: DTensorSpec) -> bool:
@@ -77,15 +145,20 @@ def _retrying(upstream: Callable[[OpSchema], Any]) -> Callable[[OpSchema], Any]:
         try:
             if spec is not None and _nested_empty(spec):
                 raise ValueError("nested uneven sharding with an empty shard")
-            return upstream(schema)
+            out = upstream(schema)
+            _check_strided(schema, out)
+            return out
         except (RuntimeError, KeyError, AssertionError, ValueError) as err:
             if spec is None:
                 raise
             for candidate in _candidates(tuple(spec.placements)):
                 if _nested_empty(DTensorSpec(spec.mesh, candidate, tensor_meta=spec.tensor_meta)):
                     continue
+                retried = _with_input(schema, candidate)
                 try:
-                    return upstream(_with_input(schema, candidate))
+                    out = upstream(retried)
+                    _check_strided(retried, out)
+                    return out
                 except (RuntimeError, KeyError, AssertionError, ValueError):
                     continue
             raise err
