@@ -4,10 +4,13 @@ parameters are this rank's shards and whose step runs the placed joint graph."""
 from __future__ import annotations
 
 import glob
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
@@ -134,6 +137,8 @@ def parallelize(
     ``model`` is changed in place: its parameters become DTensors in the chosen placements
     (materialized shard-only when it was built with ``vescale.deferred_init``). ``compile``
     compiles the placed step with the ``vescale`` backend (``options`` are its options).
+    With ``options["dump_dir"]`` or ``VESCALE_DUMP_DIR``, ``rank<r>/placements.md`` holds
+    :func:`vescale.fx.explain`'s report.
     The plan is checked before anything communicates (:class:`PlanError`)."""
     if solver not in ("global", "greedy"):
         raise ValueError(
@@ -156,6 +161,10 @@ def parallelize(
         fixed[ph] = p
     cost_model = alpha_beta if alpha_beta is not None else calibrate(mesh)
     program = place(joint, mesh, fixed, output_placements, cost_model, solver)
+    dump_dir = (options or {}).get("dump_dir") or os.environ.get("VESCALE_DUMP_DIR")
+    if dump_dir:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        explain(program).write(Path(dump_dir) / f"rank{rank}")
     chosen = program.param_placements()
     materialize_module(model, {glob.escape(n): (mesh, chosen[n]) for n in names})
     return PlannedModule(model, program, input_placements, compile, options)

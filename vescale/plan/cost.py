@@ -2,7 +2,8 @@
 
 A collective over a mesh dim of ``n`` ranks whose input holds ``B`` bytes per rank takes
 ``alpha + beta * wire(kind, n, B)`` seconds, with the bytes a ring algorithm moves per rank:
-all-reduce ``2 (n-1)/n B``, all-gather ``(n-1) B``, reduce-scatter and all-to-all ``(n-1)/n B``.
+all-reduce ``2 (n-1)/n B``, all-gather ``(n-1) B``, reduce-scatter ``(n-1)/n B``. A shard moving
+to another tensor dim is priced as the all-gather (and local slice) the eager layer issues.
 ``alpha`` (latency, s) and ``beta`` (s per byte) are measured per mesh dim by
 :func:`calibrate` on the actual process group (all-reduces of two sizes, the slowest rank's
 time, so every rank gets the same numbers and makes the same choice), cached per mesh shape
@@ -113,8 +114,8 @@ def redistribution_steps(
             if isinstance(b, Partial):
                 return None
             kind = "all_reduce" if isinstance(b, Replicate) else "reduce_scatter"
-        elif _is_shard(a):  # to Replicate, or to Partial through Replicate
-            kind = "all_to_all" if _is_shard(b) else "all_gather"
+        elif _is_shard(a):  # to Replicate, another dim (all-gather, then a local slice: what
+            kind = "all_gather"  # the eager layer issues on gloo), or Partial through Replicate
         else:  # Replicate -> Shard (slice) or Partial (zeros elsewhere): local
             kind = None
         if kind is not None and n > 1:

@@ -99,11 +99,12 @@ def place(
         steps = _steps(mesh, value, a, b)
         if steps is None:
             return None
+        penalty = 0.0
         if value[0] in activations and any(
-            s.mesh_dim in dp_dims and s.kind in ("all_gather", "all_to_all") for s in steps
+            s.mesh_dim in dp_dims and s.kind == "all_gather" for s in steps
         ):
-            return None  # data-parallel work stays split (see _data_parallel_dims)
-        return sum(alpha_beta.time(s) for s in steps) * 1e6
+            penalty = DP_GATHER_PENALTY_US  # data-parallel work stays split (_data_parallel_dims)
+        return penalty + sum(alpha_beta.time(s) for s in steps) * 1e6
 
     def compute(node: torch.fx.Node, s: int) -> float:
         ns = table[node]
@@ -126,13 +127,16 @@ def place(
     return PlacedProgram(joint, mesh, table, chosen, demands, alpha_beta, solver, timings)
 
 
+DP_GATHER_PENALTY_US = 1e6  # 1 s: taken only where no strategy keeps the batch split
+
+
 def _data_parallel_dims(
     joint: JointGraph, fixed: dict[str, Placements], mesh: DeviceMesh
 ) -> set[int]:
-    """Mesh dims on which the plan shards a model input along dim 0 (the batch). Values
-    computed from the inputs are never gathered over them: the user asked for data
-    parallelism there, and on models too small to amortize a gradient reduction the cost
-    model alone would rather replicate the whole computation."""
+    """Mesh dims on which the plan shards a model input along dim 0 (the batch). Gathering a
+    value computed from the inputs over them costs :data:`DP_GATHER_PENALTY_US` more: the user
+    asked for data parallelism there, and on models too small to amortize a gradient
+    reduction the cost model alone would rather replicate the whole computation."""
     args = joint.placeholder_names[len(joint.param_names) + len(joint.buffer_names) :]
     return {
         d

@@ -51,14 +51,14 @@ def check_fits(what: str, placements: Placements, t: torch.Tensor, mesh: DeviceM
             continue
         if not -t.ndim <= p.dim < t.ndim:
             raise PlanError(
-                f"{what}: {p} on mesh dim {mesh_dim} of {_mesh_text(mesh)} shards dim {p.dim}, "
+                f"{what}: {p!r} on mesh dim {mesh_dim} of {_mesh_text(mesh)} shards dim {p.dim}, "
                 f"but the tensor has shape {tuple(t.shape)}"
             )
         if isinstance(p, InterleavedShard):
             size, k, n = t.shape[p.dim], p.interleaved_size, mesh.size(mesh_dim)
             if size % k or (size // k) % n:
                 raise PlanError(
-                    f"{what}: {p} on mesh dim {mesh_dim} of {_mesh_text(mesh)}: dim {p.dim} of size "
+                    f"{what}: {p!r} on mesh dim {mesh_dim} of {_mesh_text(mesh)}: dim {p.dim} of size "
                     f"{size} is not {k} groups divisible by {n} ranks"
                 )
 
