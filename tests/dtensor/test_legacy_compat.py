@@ -97,6 +97,7 @@ def _check_mesh() -> None:
         ranks[mesh.get_coordinate()[0]].tolist(),
     ]
     assert mesh.get_dim_groups(1) is groups[1]
+    assert (mesh.size(dim=1), mesh.size(0), mesh.size()) == (2, 2, 4)
     infos = mesh._dim_group_infos
     assert [i[1] for i in infos] == [dist.get_process_group_ranks(g) for g in groups]
     assert [i[2] for i in infos] == [g.group_name for g in groups]

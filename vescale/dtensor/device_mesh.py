@@ -111,6 +111,10 @@ class DeviceMesh(_UpstreamDeviceMesh):
         state.pop("_hash", None)
         return state
 
+    def size(self, mesh_dim: int | None = None, *, dim: int | None = None) -> int:
+        """Upstream's ``size(mesh_dim)``; ``dim=`` is veScale legacy's keyword for it."""
+        return super().size(mesh_dim if dim is None else dim)
+
     def get_rank(self) -> int:
         """This process's global rank (a meta mesh answers without a process group)."""
         return int(self._rank) if self.device_type == "meta" else super().get_rank()
