@@ -50,6 +50,8 @@ FILES = [
     "dtensor/ops/test_view_ops.py",
 ]
 
+REPO = str(Path(__file__).resolve().parent.parent)  # the vescale checkout under test
+
 # (file, regex on the test id) -> why: kernels that exist only for CUDA
 CUDA_ONLY: dict[tuple[str, str], str] = {
     ("dtensor/ops/test_sdpa_ops.py", r"memory_effecient"): "memory-efficient SDPA is CUDA-only",
@@ -151,9 +153,6 @@ def verdicts(xml: Path) -> dict[str, tuple[str, str]]:
                 status, msg = "skipped", child.get("message") or ""
         out[f"{tc.get('classname', '').split('.')[-1]}::{tc.get('name')}"] = (status, msg)
     return out
-
-
-REPO = str(Path(__file__).resolve().parent.parent)
 
 
 def main() -> None:
