@@ -20,8 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import scipy.optimize
-import scipy.sparse
 import torch
 
 from vescale.plan.propagate import NodeStrategies, Placements, Value
@@ -59,7 +57,14 @@ def _producer_groups(ns: NodeStrategies, k: int | None) -> dict[Placements, list
 
 
 def solve_global(problem: Problem) -> dict[torch.fx.Node, int]:
-    """The strategy index of every node minimizing the total redistribution cost."""
+    """The strategy index of every node minimizing the total estimated cost (needs scipy)."""
+    try:
+        import scipy.optimize
+        import scipy.sparse
+    except ImportError as err:
+        raise ImportError(
+            "vescale.parallelize(solver='global') needs scipy: pip install scipy"
+        ) from err
     index: dict[tuple[torch.fx.Node, int], int] = {}
     costs: list[float] = []
     for node, ns in problem.table.items():

@@ -1,0 +1,57 @@
+"""The plan path on the demo GPT: single-device code, a plan naming a few weights, the
+compiler places the rest and explains its choice.
+
+    torchrun --nproc-per-node 4 examples/plan_gpt.py      (gloo, a (dp=2, tp=2) mesh)
+"""
+
+from __future__ import annotations
+
+import os
+
+import gpt
+import torch
+import torch.distributed as dist
+
+import vescale
+from vescale import Replicate, Shard
+
+PLAN = {  # only the linear weights, the embeddings and the head
+    "blocks.*.attn.[qkv].weight": {"tp": Shard(0)},
+    "blocks.*.mlp.fc.weight": {"tp": Shard(0)},
+    "blocks.*.*.proj.weight": {"tp": Shard(1)},
+    "tok.weight": (Replicate(), Replicate()),
+    "pos.weight": (Replicate(), Replicate()),
+    "head.weight": {"tp": Shard(0)},
+}
+BATCH = {"dp": Shard(0)}  # token ids and targets
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    mesh = vescale.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    cfg = gpt.GPTConfig(vocab=1024)
+    example = gpt.batch(cfg, 0)
+    model = vescale.parallelize(
+        gpt.build(cfg), mesh, PLAN, inputs=[BATCH, BATCH], example_inputs=example
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        loss = model(*gpt.batch(cfg, step))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if dist.get_rank() == 0:
+            print(f"step {step}: loss {loss.full_tensor().item():.4f}")
+    if dist.get_rank() == 0:
+        explanation = model.explain()
+        print(explanation.summary())
+        for name, p in model.module.named_parameters():
+            if name.startswith(("blocks.0.", "head")):
+                print(f"{name:28s} {tuple(p.placements)}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
