@@ -14,15 +14,21 @@ all-gather/reduce-scatter hooks run between the compiled regions. A step is forw
 backward and an SGD step. Step time is the median over ``--steps`` after three warm-up steps
 (rank 0). Graphs and graph breaks are Dynamo's counters over the whole run (``unique_graphs``
 and the sum of ``graph_break``); "vescale fallbacks" counts the backend's warnings that a
-graph ran eagerly or as captured FX instead of compiled.
+graph ran eagerly or as captured FX instead of compiled. Each rank compiles into its own
+fresh Inductor cache: "first s" is a cold compile, and upstream Inductor, whose FX graph
+cache key leaves out the process-group names (which differ between the ranks of one mesh
+dim: ranks 0-1 and 2-3 of the tp dim), cannot load a graph another rank wrote (a warm shared
+cache fails with "Could not resolve the process group registered under the name 4").
 """
 
 from __future__ import annotations
 
 import argparse
 import fnmatch
+import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from datetime import timedelta
@@ -125,10 +131,12 @@ def main() -> None:
         "upstream inductor": ("inductor", None),
         "vescale": ("vescale", {}),
     }
-    rows = {
-        name: _run(mesh, upstream, backend, opts, args.steps)
-        for name, (backend, opts) in modes.items()
-    }
+    with tempfile.TemporaryDirectory(prefix=f"inductor-rank{dist.get_rank()}-") as cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # read at every cache access
+        rows = {
+            name: _run(mesh, upstream, backend, opts, args.steps)
+            for name, (backend, opts) in modes.items()
+        }
     if dist.get_rank() == 0:
         print(f"GPT {CFG}, (dp={mesh.size(0)}, tp={mesh.size(1)}) gloo CPU ranks")
         print(
