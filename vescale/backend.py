@@ -46,6 +46,7 @@ from vescale.dtensor._torch_compat import (
     register_backend,
 )
 from vescale.dtensor.dispatch import ImplicitRedistributionError, explicit_redistribute
+from vescale.fx.aliased_outputs import route_input_views
 from vescale.fx.collectives import user_source
 from vescale.fx.timeline import write_schedule_json
 from vescale.passes import (
@@ -204,6 +205,7 @@ def vescale_backend(
     explicit = (
         contextlib.nullcontext() if opts.explicit is None else explicit_redistribute(opts.explicit)
     )
+    route_input_views(gm)  # outputs that view inputs keep a DTensor backward
     try:
         with recording(), explicit:
             return aot(gm, example_inputs)

@@ -225,6 +225,8 @@ def check_interleaved(
 ) -> None:
     """Raise ``ValueError`` naming dim, size, interleaved_size and mesh size where an
     ``InterleavedShard`` does not divide the tensor dim it shards."""
+    if not any(isinstance(p, InterleavedShard) for p in placements):
+        return  # reading no sizes: a dynamic (symbolic) dim stays unspecialized
     mesh_sizes = [mesh.size(i) for i in range(len(placements))]
     sizes = _interleaved_sizes(shape, mesh_sizes, placements)
     for i, (p, size, n) in enumerate(zip(placements, sizes, mesh_sizes)):

@@ -2,6 +2,7 @@
 
 from vescale.dtensor.ops import (
     arg_reduction,
+    as_strided,
     attention,
     comparison,
     data_dependent,
@@ -11,11 +12,13 @@ from vescale.dtensor.ops import (
     interleaved,
     linear,
     loss,
+    negative_dims,
     view,
 )
 
 __all__ = [
     "arg_reduction",
+    "as_strided",
     "attention",
     "comparison",
     "data_dependent",
@@ -25,5 +28,6 @@ __all__ = [
     "interleaved",
     "linear",
     "loss",
+    "negative_dims",
     "view",
 ]

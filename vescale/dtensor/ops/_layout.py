@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from vescale.dtensor._torch_compat import DTensorSpec, StridedShard
 from vescale.dtensor.placement_types import InterleavedShard
@@ -31,7 +32,10 @@ def empty_shard_dims(spec: DTensorSpec) -> list[int]:
     """Tensor dims of which some rank holds an empty shard (the dim itself non-empty)."""
     out = []
     mesh_shape = spec.mesh.shape
-    for dim, n in enumerate(spec.shape):
+    for dim, size in enumerate(spec.shape):
+        if not any(p.is_shard(dim) for p in spec.placements):
+            continue  # reading no size: a dynamic (symbolic) dim stays unspecialized
+        n = optimization_hint(size)  # a sharded dynamic dim: its example size, no guard
         sizes = {n}
         for m, p in enumerate(spec.placements):
             if p.is_shard(dim):
