@@ -1,39 +1,65 @@
-"""Full training step of a dp x tp GPT: eager vescale vs upstream Inductor vs the vescale
-backend with its communication passes off and on (and a bucket-cap sweep).
+"""Full training step of a dp x tp GPT: eager vescale, upstream Inductor (its communication
+passes off and on), the torchtitan-style 2-D recipe, the vescale backend with its passes off
+and on, and a compute-only lower bound.
 
-    torchrun --standalone --nproc-per-node 4 benchmarks/compiled_step.py [--steps 20]
+    torchrun --standalone --nproc-per-node 4 benchmarks/compiled_step.py [--steps 20] [--sweep 1 25]
 
-Same DTensor model for every mode: ``examples/gpt.py`` with 4 blocks (14 parameter tensors
-each) on a (world/2, 2) mesh, wrapped in ``vescale.ddp.DistributedDataParallel`` so every
-gradient is reduced to its parameter's placements; a step is forward, backward and an SGD
-step. Step time is the median over ``--steps`` after two warm-up steps (rank 0); compile
-time is the first step minus that median. Collectives and bytes per step are counted with
-the profiler (every ``_c10d_functional`` collective, wherever it is issued, Inductor's
-in-place variants included; bytes of this rank's inputs).
+Same GPT (``examples/gpt.py``, 4 blocks) on a (world/2, 2) mesh for every mode, a step is
+forward, backward and an SGD step:
+
+* vescale modes and ``upstream inductor*``: the vescale DTensor model wrapped in
+  ``vescale.ddp.DistributedDataParallel`` (every gradient reduced to its parameter's
+  placements); ``upstream inductor + comm passes`` turns on Inductor's FX bucketing of
+  all-reduce / reduce-scatter / all-gather, ``reorder_for_compute_comm_overlap`` and (if it
+  compiles on CPU) ``aten_distributed_optimizations.enable_overlap_scheduling``;
+* ``torchtitan 2-D``: the plain model with upstream tensor-parallel styles over tp (q/k/v and
+  the first MLP linear column-wise, the projections row-wise, the head column-wise with
+  replicated logits), FSDP2 (``fully_shard``) over dp per block and at the root, each block
+  compiled with ``backend="inductor"`` as torchtitan does, each dp rank feeding its batch shard;
+* ``compute only``: ``vescale, passes on`` with every collective replaced by a local op of the
+  same output shape (an all-reduce by its input, others by zeros) and waits dropped: the step
+  with free communication, a lower bound.
+
+Step time is the median over ``--steps`` after three warm-up steps (rank 0); compile time is
+the first step minus that median. Collectives and bytes per step are counted with the
+profiler (every ``_c10d_functional`` collective, wherever it is issued, Inductor's in-place
+variants included; bytes of this rank's inputs). Last, ``vescale / best upstream`` (the
+fastest upstream mode) and ``vescale / compute only``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch._inductor.config as inductor_config
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh as upstream_init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import gpt
 
 import vescale
+from vescale import backend as vescale_backend
 from vescale.backend import PASSES_OFF
 from vescale.ddp import DistributedDataParallel
+from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR
 
 CFG = gpt.GPTConfig(vocab=128, seq=32, dim=64, heads=4, layers=4)
+CFG_BATCH = 8  # gpt.batch's global batch size
 _NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")
 
 
@@ -58,34 +84,145 @@ def _count(step: Callable[[], None]) -> tuple[int, int]:
     return n, nbytes
 
 
-def _run(mesh: vescale.DeviceMesh, backend: str | None, options: dict | None, steps: int):
-    torch._dynamo.reset()
+Step = tuple[torch.nn.Module, torch.optim.Optimizer, list[tuple[Any, Any]]]
+COMM_PASSES: dict[str, Any] = {
+    "bucket_all_reduces_fx": "all",
+    "bucket_reduce_scatters_fx": "all",
+    "bucket_all_gathers_fx": "all",
+    "reorder_for_compute_comm_overlap": True,
+}
+
+
+def _vescale_step(mesh: vescale.DeviceMesh, backend: str | None, options: dict | None) -> Step:
     model: torch.nn.Module = DistributedDataParallel(gpt.parallelize(gpt.build(CFG), mesh))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if backend is not None:
         model = torch.compile(model, backend=backend, options=options)
-    batches = [gpt.shard_batch(mesh, *gpt.batch(CFG, i)) for i in range(4)]
+    return model, opt, [gpt.shard_batch(mesh, *gpt.batch(CFG, i)) for i in range(4)]
 
-    def step(i: int = 0) -> None:
-        loss = model(*batches[i % len(batches)])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
 
-    times = []
-    for i in range(steps + 3):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step(i)
-        times.append(time.perf_counter() - t0)
-    median = statistics.median(times[3:])
-    return median, times[0] - median, *_count(step)
+def _local_attention(self: gpt.Attention, x: torch.Tensor) -> torch.Tensor:
+    """``gpt.Attention.forward`` on this rank's heads (``self.heads`` local, widths from the
+    local tensors), as torchtitan's models are written for tensor parallelism."""
+    b, t, _ = x.shape
+    q, k, v = (
+        lin(x).view(b, t, self.heads, -1).transpose(1, 2) for lin in (self.q, self.k, self.v)
+    )
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def _titan_step() -> Step:
+    """The torchtitan-style 2-D recipe on the plain model (see module docstring)."""
+    mesh = upstream_init_device_mesh(
+        "cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp")
+    )
+    tp, dp = mesh["tp"], mesh["dp"]
+    model = gpt.build(CFG)
+    styles = {"attn.proj": RowwiseParallel(), "mlp.proj": RowwiseParallel()}
+    styles |= {name: ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v", "mlp.fc")}
+    for block in model.blocks:
+        block.attn.heads //= tp.size()
+        block.attn.forward = _local_attention.__get__(block.attn)
+        parallelize_module(block, tp, styles)
+    parallelize_module(model, tp, {"head": ColwiseParallel(output_layouts=Replicate())})
+    for block in model.blocks:
+        block.compile(backend="inductor")
+        fully_shard(block, mesh=dp)
+    fully_shard(model, mesh=dp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rows = CFG_BATCH // dp.size()
+    first = dp.get_local_rank() * rows
+    batches = [tuple(a[first : first + rows] for a in gpt.batch(CFG, i)) for i in range(4)]
+    return model, opt, batches
+
+
+def _no_comm(gm: torch.fx.GraphModule, ctx: Any) -> torch.fx.GraphModule:
+    """Every collective replaced by a local op of its output's shape, waits dropped."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is WAIT_TENSOR:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+        elif node.target in COLLECTIVE_KINDS:
+            val = node.meta["val"]
+            if not isinstance(val, torch.Tensor):
+                raise NotImplementedError(f"compute only: {node.target} (coalesced)")
+            with graph.inserting_before(node):
+                local = node.args[0]
+                if COLLECTIVE_KINDS[node.target] != "all_reduce":
+                    local = graph.call_function(
+                        torch.ops.aten.full.default,
+                        (list(val.shape), 0),
+                        {"dtype": val.dtype, "device": val.device},
+                    )
+            node.replace_all_uses_with(local)
+            graph.erase_node(node)
+    graph.lint()
+    return gm
+
+
+@contextlib.contextmanager
+def _compute_only() -> Iterator[None]:
+    """The vescale backend with :func:`_no_comm` after its passes."""
+    vescale_backend.PIPELINE.passes.append(("no_comm", _no_comm))
+    try:
+        yield
+    finally:
+        vescale_backend.PIPELINE.passes.pop()
+
+
+def _run(
+    build: Callable[[], Step], steps: int, scope: contextlib.AbstractContextManager | None = None
+) -> tuple[float, float, int, int]:
+    torch._dynamo.reset()
+    with scope or contextlib.nullcontext():
+        model, opt, batches = build()
+
+        def step(i: int = 0) -> None:
+            loss = model(*batches[i % len(batches)])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        times = []
+        for i in range(steps + 3):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(i)
+            times.append(time.perf_counter() - t0)
+        median = statistics.median(times[3:])
+        return median, times[0] - median, *_count(step)
+
+
+def _upstream_comm_passes(
+    mesh: vescale.DeviceMesh, steps: int
+) -> tuple[str, tuple[float, float, int, int]]:
+    """``upstream inductor`` with Inductor's communication passes; overlap scheduling too
+    where it compiles on CPU."""
+    try:
+        flags = {**COMM_PASSES, "aten_distributed_optimizations.enable_overlap_scheduling": True}
+        row = _run(
+            lambda: _vescale_step(mesh, "inductor", None), steps, inductor_config.patch(flags)
+        )
+        return "upstream ind. + comm+overlap", row
+    except Exception as err:
+        if dist.get_rank() == 0:
+            first = str(err).strip().splitlines()[-1][:160] if str(err).strip() else ""
+            print(f"overlap scheduling fails on CPU ({type(err).__name__}: {first}): without it")
+    row = _run(
+        lambda: _vescale_step(mesh, "inductor", None), steps, inductor_config.patch(COMM_PASSES)
+    )
+    return "upstream ind. + comm passes", row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--sweep", type=float, nargs="*", default=[0.25, 1.0, 25.0])
+    parser.add_argument("--sweep", type=float, nargs="*", default=[])
+    parser.add_argument("--skip", nargs="*", default=[], help="modes (row names) not to run")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
@@ -93,28 +230,49 @@ def main() -> None:
         "cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp")
     )
     torch.compile(lambda a: a.sin() * 2)(torch.randn(8))  # Inductor start-up, charged to no one
-    modes: dict[str, tuple[str | None, dict | None]] = {
+    vescale_modes: dict[str, tuple[str | None, dict | None]] = {
         "eager vescale": (None, None),
         "upstream inductor": ("inductor", None),
         "vescale, passes off": ("vescale", PASSES_OFF),
         "vescale, passes on": ("vescale", {}),
     }
     for cap in args.sweep:
-        modes[f"  bucket_cap_mb={cap:g}"] = ("vescale", {"bucket_cap_mb": cap})
-    rows = {name: _run(mesh, backend, opts, args.steps) for name, (backend, opts) in modes.items()}
+        vescale_modes[f"  bucket_cap_mb={cap:g}"] = ("vescale", {"bucket_cap_mb": cap})
+    rows: dict[str, tuple[float, float, int, int]] = {}
+    for name, (backend, opts) in vescale_modes.items():
+        if name not in args.skip:
+            rows[name] = _run(lambda b=backend, o=opts: _vescale_step(mesh, b, o), args.steps)
+    if "upstream inductor + comm passes" not in args.skip:
+        name, row = _upstream_comm_passes(mesh, args.steps)
+        rows[name] = row
+    if "torchtitan 2-D" not in args.skip:
+        rows["torchtitan 2-D"] = _run(_titan_step, args.steps)
+    rows["compute only"] = _run(
+        lambda: _vescale_step(mesh, "vescale", {}), args.steps, _compute_only()
+    )
     if dist.get_rank() == 0:
-        base = rows["eager vescale"][0]
-        print(f"GPT {CFG}, (dp={mesh.size(0)}, tp={mesh.size(1)}) gloo CPU ranks, SGD step")
-        head = f"{'mode':<22} {'step ms':>8} {'vs eager':>9} {'colls/step':>10} {'KiB/step':>9} {'compile s':>9}"
-        print(head)
-        for name, (med, compile_s, n, nbytes) in rows.items():
-            compile_txt = f"{compile_s:>9.1f}" if name != "eager vescale" else f"{'-':>9}"
-            print(
-                f"{name:<22} {med * 1e3:>8.2f} {med / base:>8.2f}x {n:>10} "
-                f"{nbytes / 1024:>9.1f} {compile_txt}"
-            )
+        _print(rows, mesh)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _print(rows: dict[str, tuple[float, float, int, int]], mesh: vescale.DeviceMesh) -> None:
+    base = rows.get("eager vescale", next(iter(rows.values())))[0]
+    print(f"GPT {CFG}, (dp={mesh.size(0)}, tp={mesh.size(1)}) gloo CPU ranks, SGD step")
+    head = f"{'mode':<28} {'step ms':>8} {'vs eager':>9} {'colls/step':>10} {'KiB/step':>9} {'compile s':>9}"
+    print(head)
+    for name, (med, compile_s, n, nbytes) in rows.items():
+        compile_txt = f"{compile_s:>9.1f}" if name != "eager vescale" else f"{'-':>9}"
+        print(
+            f"{name:<28} {med * 1e3:>8.2f} {med / base:>8.2f}x {n:>10} "
+            f"{nbytes / 1024:>9.1f} {compile_txt}"
+        )
+    upstream = {k: v[0] for k, v in rows.items() if k.startswith(("upstream", "torchtitan"))}
+    ours = rows["vescale, passes on"][0] if "vescale, passes on" in rows else None
+    if ours is not None and upstream:
+        best = min(upstream, key=upstream.__getitem__)
+        print(f"vescale / best upstream ({best}): {ours / upstream[best]:.2f}")
+        print(f"vescale / compute only: {ours / rows['compute only'][0]:.2f}")
 
 
 if __name__ == "__main__":
