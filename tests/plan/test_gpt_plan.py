@@ -18,8 +18,10 @@ def _check_trains_like_one_device(compile: bool) -> None:
     torch._dynamo.reset()
     batches = [gpt.batch(CFG, i) for i in range(3)]
     ref_losses, ref_params = train(gpt.build(CFG), batches)
+    # eager: a deferred model (parameters materialized shard-only); compiled: an eager one
+    built = gpt.build(CFG) if compile else gpt.build_deferred(CFG)
     model = vescale.parallelize(
-        gpt.build(CFG),
+        built,
         gpt_mesh(),
         GPT_PLAN,
         inputs=[BATCH, BATCH],
@@ -40,6 +42,9 @@ def _check_trains_like_one_device(compile: bool) -> None:
     chosen = model.program.param_placements()
     for name, p in hand.named_parameters():
         assert tuple(p.placements) == chosen[name], (name, p.placements, chosen[name])
+    state = model.state_dict()  # DTensors in the chosen placements (what DCP saves)
+    head = state["module.head.weight"]
+    assert isinstance(head, vescale.DTensor) and tuple(head.placements) == chosen["head.weight"]
 
 
 def test_plan_gpt_trains_like_one_device_eager(pool4):
