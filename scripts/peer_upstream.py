@@ -5,8 +5,8 @@ usage: python scripts/peer_upstream.py SRC [FILE ...] [--work DIR] [--timeout S]
 SRC holds PyTorch's test sources: a folder with ``test/distributed/tensor/...`` (or that
 ``tensor`` folder itself). FILE is relative to ``test/distributed/tensor/`` (default ``FILES``).
 The files are copied into ``--work`` (never into this repository) as two trees: ``plain/`` and
-``vescale/``, whose ``conftest.py`` imports vescale and puts a ``sitecustomize.py`` importing
-vescale on ``PYTHONPATH`` so the rank processes import it too. Name drift between the stored
+``vescale/``, whose ``conftest.py`` imports vescale and puts a ``sitecustomize.py`` on
+``PYTHONPATH`` that imports vescale in spawned rank processes. Name drift between the stored
 test versions and torch 2.13 is fixed by the same edit in both trees (``DRIFT``). Rank processes
 start by fork (this file is also the pytest plugin that does it). Each file runs alone under
 ``nice`` and a timeout, plain then with vescale; tests that a persistent-process class skipped
@@ -74,6 +74,16 @@ import vescale  # noqa: E402,F401
 '''
 
 
+# Spawned rank processes (argv ends with --multiprocessing-fork) import vescale; other
+# subprocesses a test starts stay clean (test_dtensor_save_load_import checks that a bare
+# interpreter cannot load a DTensor without importing torch.distributed.tensor).
+VESCALE_SITE = """import sys
+
+if "--multiprocessing-fork" in sys.argv:
+    import vescale  # noqa: F401
+"""
+
+
 def pytest_configure(config: object) -> None:
     """pytest plugin hook (``-p peer_upstream``): rank processes start by fork, not spawn.
 
@@ -100,7 +110,7 @@ def prepare(src: Path, work: Path, files: list[str]) -> None:
             dst.write_text(text)
     site = work / "vescale" / "_vescale_site"
     site.mkdir(parents=True, exist_ok=True)
-    (site / "sitecustomize.py").write_text("import vescale  # noqa: F401\n")
+    (site / "sitecustomize.py").write_text(VESCALE_SITE)
     (work / "vescale" / "conftest.py").write_text(VESCALE_CONFTEST)
 
 
