@@ -161,6 +161,20 @@ CASES: Sequence[OpCase] = (
         grad=(0,),
         partial=(0,),
     ),
+    OpCase(
+        "select_negative_dim",
+        lambda x: x.select(-1, 1),
+        lambda r, c, g: (_f(g, r, c),),
+        grad=(0,),
+        partial=(0,),
+    ),
+    OpCase(
+        "narrow_negative_dim",
+        lambda x: x.narrow(-1, 1, 3),
+        lambda r, c, g: (_f(g, r, c),),
+        grad=(0,),
+        partial=(0,),
+    ),
     OpCase("alias", aten.alias.default, lambda r, c, g: (_f(g, r, c),), grad=(0,), partial=(0,)),
     OpCase(
         "index_put",
@@ -277,4 +291,51 @@ CASES: Sequence[OpCase] = (
     ),
 )
 
-BY_NAME = {case.name: case for case in CASES}
+
+def seeded(fn: Callable[..., Any], seed: int = 1234) -> Callable[..., Any]:
+    """``fn`` run from a fixed generator state, so a random op's single-device reference and
+    its DTensor run draw the same numbers."""
+
+    def run(*args: Any) -> Any:
+        torch.manual_seed(seed)
+        return fn(*args)
+
+    return run
+
+
+def _random_like(p: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (
+        torch.rand_like(p),
+        torch.randn_like(p),
+        torch.randint_like(p, 5),
+        torch.bernoulli(p),
+        p.clone().exponential_(),
+        p.clone().bernoulli_(0.3),
+    )
+
+
+def _chained_view(x: torch.Tensor) -> torch.Tensor:
+    r, c = x.shape
+    return x.reshape(-1).view(c, r).t().reshape(r, c).unsqueeze(0).flatten(0, 1)
+
+
+EXTRA_CASES: Sequence[OpCase] = (
+    OpCase("chained_views", _chained_view, lambda r, c, g: (_f(g, r, c),), grad=(0,), partial=(0,)),
+    OpCase(
+        "random_like",
+        seeded(_random_like),
+        lambda r, c, g: (torch.rand(r, c, generator=g, dtype=torch.float64),),
+        partial=(0,),
+    ),
+    OpCase(
+        "dropout",
+        seeded(lambda x: (F.dropout(x, 0.4), *aten.native_dropout(x, 0.3, True))),
+        lambda r, c, g: (_f(g, r, c),),
+        grad=(0,),
+        partial=(0,),
+    ),
+)
+"""Chained views (flattening sharded dims: interleaved layouts) and every random op of
+``vescale.dtensor.random`` (seeded), fuzzed like ``CASES``."""
+
+BY_NAME = {case.name: case for case in (*CASES, *EXTRA_CASES)}

@@ -252,7 +252,7 @@ def distribute_tensor(
         src, mesh, upstream_pl, src_data_rank=src_data_rank
     )._local_tensor
     for mesh_dim, p in enumerate(pl):
-        if p.is_partial():
+        if p.is_partial() and mesh.get_coordinate() is not None:  # off the mesh: empty
             local = replicate_to_partial(local, p.reduce_op, mesh._sym_get_coordinate(mesh_dim))  # type: ignore[attr-defined]
     spec = make_spec(mesh, pl, tensor.shape, tensor.stride(), tensor.dtype)
     return new_dtensor(local.detach(), spec, requires_grad=tensor.requires_grad)

@@ -6,9 +6,10 @@ on dim 0 over 2 ranks: what the math attention decomposition does on an uneven b
 expanding a size-1 dim that is "sharded" (``expand_as`` of a ``(n, 1)`` tensor sharded on
 dim 1); and it computes wrong local shapes for a dim sharded over two mesh dims where some
 rank's shard is empty (2 rows over a 2x2 mesh), which is treated the same way. A
-reshape of an interleaved (strided) shard is checked element by element, because upstream
-claims layouts for some that are not what the local view holds (``(96, 30)`` as
-``InterleavedShard(0, 4)`` viewed as ``(8, 12, 30)``): a claim that does not map every
+reshape of an interleaved (strided) shard, or of a dim sharded over several mesh dims, is
+checked element by element, because upstream claims layouts for some that are not what the
+local view holds (``(96, 30)`` as ``InterleavedShard(0, 4)`` viewed as ``(8, 12, 30)``;
+``(16, 3)`` as ``(Shard(0), Shard(0))`` on 2x2 viewed as ``(2, 8, 3)``): a claim that does not map every
 rank's elements to its own is refused like an error. Here the strategy is retried with the
 input's interleaved shards made plain, then with the input replicated on the fewest mesh
 dims that make it work (each one alone, innermost first, then all): the dispatcher
@@ -111,8 +112,15 @@ def _maps_elements(src: DTensorSpec, dst: DTensorSpec, shape: Sequence[int]) -> 
     return True
 
 
-def _check_strided(schema: OpSchema, out: Any) -> None:
-    """Refuse a reshape strategy that mislays an interleaved shard (see module docstring)."""
+def _checked(spec: DTensorSpec) -> bool:
+    """Layouts whose reshapes upstream may mislay: an interleaved (strided) shard, or a
+    tensor dim sharded over several mesh dims."""
+    dims = [p.dim for p in spec.placements if p.is_shard() or isinstance(p, StridedShard)]  # type: ignore[attr-defined]
+    return len(set(dims)) < len(dims) or any(isinstance(p, StridedShard) for p in spec.placements)
+
+
+def _check_reshape(schema: OpSchema, out: Any) -> None:
+    """Refuse a reshape strategy that mislays elements (see module docstring)."""
     if schema.op is aten.expand.default or not isinstance(out, OpStrategy):
         return
     first = schema.args_schema[0]
@@ -123,8 +131,7 @@ def _check_strided(schema: OpSchema, out: Any) -> None:
     for spec in out.strategies:
         src = spec.input_specs[0] if spec.input_specs else given
         dst = spec.output_spec
-        strided = any(isinstance(p, StridedShard) for p in (*src.placements, *dst.placements))
-        if strided and not _maps_elements(src, dst, shape):
+        if (_checked(src) or _checked(dst)) and not _maps_elements(src, dst, shape):
             raise ValueError(f"{schema.op}: {src} does not view as {dst}")
 
 
@@ -146,7 +153,7 @@ def _retrying(upstream: Callable[[OpSchema], Any]) -> Callable[[OpSchema], Any]:
             if spec is not None and _nested_empty(spec):
                 raise ValueError("nested uneven sharding with an empty shard")
             out = upstream(schema)
-            _check_strided(schema, out)
+            _check_reshape(schema, out)
             return out
         except (RuntimeError, KeyError, AssertionError, ValueError) as err:
             if spec is None:
@@ -157,7 +164,7 @@ def _retrying(upstream: Callable[[OpSchema], Any]) -> Callable[[OpSchema], Any]:
                 retried = _with_input(schema, candidate)
                 try:
                     out = upstream(retried)
-                    _check_strided(retried, out)
+                    _check_reshape(retried, out)
                     return out
                 except (RuntimeError, KeyError, AssertionError, ValueError):
                     continue
