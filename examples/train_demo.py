@@ -99,7 +99,8 @@ def _summary(dump_dir: Path) -> list[str]:
     per: Counter[tuple] = Counter()
     nbytes: Counter[tuple] = Counter()
     for r in records:
-        key = (r["graph"].rsplit(".", 1)[1], r["kind"], r["mesh_dim"])
+        dim = "flat" if r["mesh_dim"] is None else str(r["mesh_dim"])  # flattened mesh dims
+        key = (r["graph"].rsplit(".", 1)[1], r["kind"], dim)
         per[key] += 1
         nbytes[key] += r["bytes"]
     lines = [f"{'graph':<9} {'collective':<15} {'mesh dim':>8} {'count':>6} {'bytes':>9}"]
