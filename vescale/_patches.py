@@ -195,6 +195,13 @@ def _attribute_table() -> list[_Attribute]:
             "builds them",
         ),
         _Attribute(
+            DTensor,
+            "__init__",
+            dtensor.upstream_init,
+            "a DTensor built around a vescale DTensor's spec (FSDP2 rewraps parameters so) is a "
+            "vescale.DTensor",
+        ),
+        _Attribute(
             propagator,
             "propagate_op_sharding_non_cached",
             dispatch.propagate_op_sharding,

@@ -9,7 +9,6 @@ float64 model trained on the whole batch.
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -133,11 +132,5 @@ def fsdp2_over_tensor_parallel() -> None:
     _assert_matches(_train(model, slice(d * per, (d + 1) * per)), model)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FSDP2's _from_local_no_grad builds an upstream-class DTensor around the parameter's "
-    "VescaleSpec; nn.Parameter(...).detach() then returns vescale.DTensor (the output class "
-    "follows the spec), and nn.Parameter refuses the class change",
-)
 def test_fully_shard_over_vescale_tensor_parallel(pool4):
     pool4.run(fsdp2_over_tensor_parallel)

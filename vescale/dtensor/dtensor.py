@@ -31,6 +31,7 @@ __all__ = [
     "VescaleSpec",
     "as_vescale_spec",
     "is_vescale_spec",
+    "upstream_init",
     "vescale_rules",
     "vescale_rules_active",
     "wrap_output",
@@ -154,6 +155,18 @@ class DTensor(_UpstreamDTensor):
 
 _upstream_wrap = OpDispatcher.wrap
 _new_dtensor = _UpstreamDTensor.__new__  # C++ ``_dtensor__new__``: sets _local_tensor and _spec
+
+
+_upstream_init = _UpstreamDTensor.__init__
+
+
+def upstream_init(self: _UpstreamDTensor, *args: Any, **kwargs: Any) -> None:
+    """Upstream ``DTensor.__init__``; a DTensor built around a vescale DTensor's spec (FSDP2
+    rewraps a vescale parameter's shards so) is a ``vescale.DTensor``, as the outputs of its
+    ops are (``nn.Parameter`` then keeps its class through ``detach``)."""
+    _upstream_init(self, *args, **kwargs)
+    if type(self) is _UpstreamDTensor and type(self._spec) is VescaleSpec:
+        self.__class__ = DTensor
 
 
 def new_dtensor(local: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool) -> DTensor:
