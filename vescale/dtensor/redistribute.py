@@ -49,7 +49,15 @@ __all__ = [
     "wait_local",
 ]
 
-_flattened: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Any]] = weakref.WeakKeyDictionary()
+# per mesh *object* (equal meshes are distinct roots to upstream's flatten mapping)
+_flattened: dict[int, tuple[weakref.ref[Any], dict[tuple[int, ...], Any]]] = {}
+
+
+def _known(mesh: Any) -> dict[tuple[int, ...], Any]:
+    entry = _flattened.get(id(mesh))
+    if entry is None or entry[0]() is not mesh:
+        entry = _flattened[id(mesh)] = (weakref.ref(mesh), {})
+    return entry[1]
 
 
 def flattened_mesh(mesh: Any, mesh_dims: Sequence[int]) -> Any:
@@ -62,7 +70,7 @@ def flattened_mesh(mesh: Any, mesh_dims: Sequence[int]) -> Any:
     dims = tuple(sorted(set(mesh_dims)))
     if len(dims) < 2 or mesh.device_type == "meta" or not mesh.mesh_dim_names:
         return None
-    known = _flattened.setdefault(mesh, {})
+    known = _known(mesh)
     if dims in known or torch.compiler.is_compiling() or not dist.is_initialized():
         return known.get(dims)
     flat = None
