@@ -187,6 +187,20 @@ def _root(node: ast.expr) -> str | None:
 _MUTATORS = {"pop", "update", "setdefault", "clear", "__setitem__", "__delitem__"}
 
 
+def test_upstream_loss_parallel_leaves_vescale_handlers():
+    """Upstream's ``loss_parallel()`` pops the handlers it installed on exit; vescale's
+    handlers for the same ops (class-sharded nll_loss) are there again afterwards."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    table = UpstreamDTensor._op_dispatcher._custom_op_handlers
+    nll = torch.ops.aten.nll_loss_forward.default
+    before = dict(table)
+    assert before[nll].__module__.startswith("vescale")
+    with loss_parallel():
+        assert table[nll].__module__.startswith("torch")
+    assert table == before
+
+
 def test_only_the_seam_changes_torch_objects():
     offenders = []
     for path in sorted((ROOT / "vescale").rglob("*.py")):

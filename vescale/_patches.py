@@ -30,6 +30,7 @@ __all__ = [
     "describe",
     "install",
     "installed",
+    "reapply",
     "register_op_strategy",
     "remove_entry",
     "set_entry",
@@ -125,6 +126,13 @@ def restore_entry(table: MutableMapping[Any, Any], key: Any) -> None:
         _write(table, key, entry.original)
 
 
+def reapply(table: MutableMapping[Any, Any], key: Any) -> None:
+    """Write vescale's value of ``table[key]`` again (after upstream code removed it), or remove
+    the key where vescale has no entry."""
+    entry = _entries.get((id(table), key))
+    _write(table, key, entry.value if entry is not None and _state["installed"] else _MISSING)
+
+
 def register_op_strategy(
     op: torch._ops.OpOverload | Sequence[torch._ops.OpOverload], schema_info: Any = None
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -176,13 +184,14 @@ def temporarily(owner: Any, name: str, value: Any) -> Iterator[None]:
 def _attribute_table() -> list[_Attribute]:
     from torch.distributed.tensor import DTensor
 
-    from vescale.dtensor import device_mesh, dispatch, dtensor, placement_types
+    from vescale.dtensor import device_mesh, dispatch, dtensor, loss, placement_types
     from vescale.dtensor._torch_compat import (
         ExplicitRedistributionContext,
         LocalLRUCache,
         OpDispatcher,
         _mesh_resources,
         upstream_dispatch_module,
+        upstream_loss_module,
     )
 
     propagator = DTensor._op_dispatcher.sharding_propagator
@@ -233,6 +242,13 @@ def _attribute_table() -> list[_Attribute]:
             "num_devices_per_host",
             device_mesh.devices_per_host,
             "all DTensors: the cost model on meta meshes (torch.meta has no device module)",
+        ),
+        _Attribute(
+            upstream_loss_module,
+            "_disable_custom_loss_ops",
+            loss.end_loss_parallel,
+            "all DTensors: leaving upstream's loss_parallel() puts back the handlers it "
+            "replaced (upstream pops them, vescale's log_softmax/nll_loss handlers included)",
         ),
         _Attribute(
             placement_types.Placement,

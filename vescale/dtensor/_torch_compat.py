@@ -44,6 +44,7 @@ from torch.distributed.tensor._utils import (
     compute_global_tensor_info,
     compute_local_shape_and_global_offset,
 )
+from torch.distributed.tensor.parallel import loss as upstream_loss_module
 from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
@@ -89,6 +90,7 @@ __all__ = [
     "stable_topological_sort",
     "tree_map",
     "upstream_dispatch_module",
+    "upstream_loss_module",
     "upstream_redistribute_local_tensor",
     "upstream_register_op_strategy",
 ]
@@ -152,6 +154,8 @@ PRIVATE_ATTRIBUTES = (
     ("DeviceMesh", "_sym_get_coordinate"),
     ("_mesh_resources", "num_devices_per_host"),
     ("upstream_dispatch_module", "redistribute_local_tensor"),
+    ("upstream_loss_module", "_disable_custom_loss_ops"),
+    ("upstream_loss_module", "customized_loss_ops"),
     ("OpDispatcher", "wrap"),
     ("OpDispatcher", "unwrap_to_op_info"),
     ("OpDispatcher", "_dispatch_get_local_results_slow_path"),
