@@ -336,7 +336,7 @@ def test_explicit_option_overrides_env_and_scope(pool4):
 
 
 def test_inductor_failure_runs_graph_as_captured(monkeypatch):
-    from vescale.dtensor import _torch_compat
+    from vescale import _torch_compat
 
     real = _torch_compat.inductor_pieces
 

@@ -140,7 +140,7 @@ def register_op_strategy(
     (and its schema info) replaces upstream's for ``op`` in the one sharding propagator."""
     from torch.distributed.tensor import DTensor
 
-    from vescale.dtensor._torch_compat import upstream_register_op_strategy
+    from vescale._torch_compat import upstream_register_op_strategy
 
     propagator = DTensor._op_dispatcher.sharding_propagator
     ops: list[Any] = list(op) if isinstance(op, list | tuple) else [op]
@@ -184,8 +184,7 @@ def temporarily(owner: Any, name: str, value: Any) -> Iterator[None]:
 def _attribute_table() -> list[_Attribute]:
     from torch.distributed.tensor import DTensor
 
-    from vescale.dtensor import device_mesh, dispatch, dtensor, loss, placement_types
-    from vescale.dtensor._torch_compat import (
+    from vescale._torch_compat import (
         ExplicitRedistributionContext,
         LocalLRUCache,
         OpDispatcher,
@@ -193,6 +192,7 @@ def _attribute_table() -> list[_Attribute]:
         upstream_dispatch_module,
         upstream_loss_module,
     )
+    from vescale.dtensor import device_mesh, dispatch, dtensor, loss, placement_types
 
     propagator = DTensor._op_dispatcher.sharding_propagator
     return [

@@ -37,14 +37,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from vescale.dtensor._recording import recording
-from vescale.dtensor._torch_compat import (
+from vescale._torch_compat import (
     DYNAMO_COMPILER_FNS,
     aot_autograd,
     inductor_pieces,
     make_boxed_func,
     register_backend,
 )
+from vescale.dtensor._recording import recording
 from vescale.dtensor.dispatch import ImplicitRedistributionError, explicit_redistribute
 from vescale.fx.aliased_outputs import route_input_views
 from vescale.fx.collectives import user_source

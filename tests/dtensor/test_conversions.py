@@ -18,7 +18,7 @@ from tests.dtensor.reference import (
     partial_source,
 )
 from vescale import DTensor, Partial, Replicate, Shard
-from vescale.dtensor._torch_compat import AsyncCollectiveTensor
+from vescale._torch_compat import AsyncCollectiveTensor
 
 MESHES = {2: [(2,)], 4: [(4,), (2, 2)]}
 SHAPE = (5, 7)  # uneven on every mesh above

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.distributed.tensor._collective_utils import mesh_scatter
 
+from vescale._torch_compat import mesh_scatter
 from vescale.dtensor.placement_types import _reduce_op_name
 
 __all__ = [

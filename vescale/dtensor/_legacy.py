@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale.dtensor._torch_compat import DTensorSpec
+from vescale._torch_compat import DTensorSpec
 from vescale.dtensor.dtensor import DTensor, as_vescale_spec
 from vescale.dtensor.placement_types import Replicate, Shard, make_spec, normalize_placements
 

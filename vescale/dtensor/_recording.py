@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from vescale.dtensor._torch_compat import (
+from vescale._torch_compat import (
     FunctionalTensor,
     from_functional_tensor,
     get_proxy_mode,

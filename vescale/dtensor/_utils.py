@@ -16,8 +16,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale.dtensor._torch_compat import compute_global_tensor_info as _even_global_info
-from vescale.dtensor._torch_compat import compute_local_shape_and_global_offset
+from vescale._torch_compat import compute_global_tensor_info as _even_global_info
+from vescale._torch_compat import compute_local_shape_and_global_offset
 from vescale.dtensor.placement_types import Placement, Shard
 
 __all__ = [

@@ -21,15 +21,15 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 from torch.distributed.tensor import distribute_tensor as _upstream_distribute_tensor
 
-from vescale.dtensor._recording import ACTIVE as _RECORDING
-from vescale.dtensor._recording import record_redistribute
-from vescale.dtensor._torch_compat import (
+from vescale._torch_compat import (
     DTensorSpec,
     _mesh_resources,
     are_we_tracing,
     compute_global_tensor_info,
     compute_local_shape_and_global_offset,
 )
+from vescale.dtensor._recording import ACTIVE as _RECORDING
+from vescale.dtensor._recording import record_redistribute
 from vescale.dtensor.dtensor import DTensor, new_dtensor
 from vescale.dtensor.placement_types import (
     Placement,

@@ -31,8 +31,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from vescale._torch_compat import TorchDispatchMode, tree_map
 from vescale.dtensor import api
-from vescale.dtensor._torch_compat import TorchDispatchMode, tree_map
 from vescale.dtensor.placement_types import Placement, normalize_placements
 from vescale.dtensor.random import (
     RANDOM_OPS,

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh as _UpstreamDeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _upstream_init_device_mesh
 
-from vescale.dtensor._torch_compat import _mesh_resources
+from vescale._torch_compat import _mesh_resources
 from vescale.dtensor.redistribute import flatten_mesh_dims
 
 __all__ = ["DeviceMesh", "as_vescale_mesh", "init_device_mesh", "known_meshes"]

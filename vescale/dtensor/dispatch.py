@@ -40,8 +40,7 @@ import torch
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale import _patches
-from vescale.dtensor import api
-from vescale.dtensor._torch_compat import (
+from vescale._torch_compat import (
     DTensorSpec,
     ExplicitRedistributionContext,
     OpSchema,
@@ -54,6 +53,7 @@ from vescale.dtensor._torch_compat import (
     return_and_correct_aliasing,
     upstream_dispatch_module,
 )
+from vescale.dtensor import api
 from vescale.dtensor.dtensor import (
     DTensor,
     VescaleSpec,

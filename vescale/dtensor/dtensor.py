@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
+from vescale._torch_compat import DTensorSpec, OpDispatcher
 from vescale.dtensor._recording import ACTIVE as _RECORDING
 from vescale.dtensor._recording import record_placements
-from vescale.dtensor._torch_compat import DTensorSpec, OpDispatcher
 from vescale.dtensor.device_mesh import DeviceMesh
 from vescale.dtensor.placement_types import Placement
 

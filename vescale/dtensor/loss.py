@@ -6,7 +6,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from vescale import _patches
-from vescale.dtensor._torch_compat import upstream_loss_module
+from vescale._torch_compat import upstream_loss_module
 
 __all__ = ["end_loss_parallel", "loss_parallel"]
 

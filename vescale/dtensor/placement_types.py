@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor.placement_types import Partial as _UpstreamPartial
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from vescale.dtensor._torch_compat import (
+from vescale._torch_compat import (
     DTensorSpec,
     MemberType,
     StridedShard,

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale.dtensor._torch_compat import DTensorSpec, StridedShard, TensorMeta
+from vescale._torch_compat import DTensorSpec, StridedShard, TensorMeta
 from vescale.dtensor.dispatch import bypass_dispatch
 from vescale.dtensor.dtensor import new_dtensor
 from vescale.dtensor.placement_types import Partial, Placement, Replicate, Shard

@@ -27,14 +27,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import _disable_current_modes
 
-from vescale.dtensor._torch_compat import (
+from vescale._torch_compat import (
     AsyncCollectiveTensor,
     DTensorSpec,
     StridedShard,
     TensorMeta,
     compute_local_shape_and_global_offset,
+    disable_current_modes,
     maybe_run_for_local_tensor,
     upstream_redistribute_local_tensor,
 )
@@ -76,7 +76,7 @@ def flattened_mesh(mesh: Any, mesh_dims: Sequence[int]) -> Any:
     flat = None
     if mesh._get_root_mesh().size() == dist.get_world_size():
         names = tuple(mesh.mesh_dim_names[d] for d in dims)
-        with _disable_current_modes():
+        with disable_current_modes():
             flat = mesh[names]._flatten()
     known[dims] = flat
     return flat

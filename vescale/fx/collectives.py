@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from vescale.dtensor._torch_compat import resolve_process_group
+from vescale._torch_compat import resolve_process_group
 from vescale.dtensor.device_mesh import known_meshes
 
 __all__ = [

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from vescale.dtensor._torch_compat import bucket_merge_fns, stable_topological_sort
+from vescale._torch_compat import bucket_merge_fns, stable_topological_sort
 from vescale.fx.collectives import (
     COLLECTIVE_KINDS,
     WAIT_TENSOR,

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vescale.dtensor._torch_compat import resolve_process_group
+from vescale._torch_compat import resolve_process_group
 from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR, group_name
 from vescale.passes.manager import PassContext
 

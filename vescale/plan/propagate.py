@@ -20,14 +20,20 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor._op_schema import TupleStrategy
-from torch.distributed.tensor._ops import utils as _strategy_utils
-from torch.distributed.tensor._ops.single_dim_strategy import _PreparedSingleDimStrategy
-from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from vescale import _patches
-from vescale.dtensor._torch_compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, TensorMeta
+from vescale._torch_compat import (
+    DTensorSpec,
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    PreparedSingleDimStrategy,
+    TensorMeta,
+    TupleStrategy,
+    expand_to_full_mesh_op_strategy,
+    upstream_strategy_utils,
+)
 from vescale.dtensor.dtensor import vescale_rules
 from vescale.dtensor.ops._registry import PROPAGATOR
 
@@ -163,7 +169,7 @@ def _expand_single_dim(op: Any, schema: OpSchema, single: Any, mesh: DeviceMesh,
     out_meta: Any = (
         tuple(tensor_meta(v) for v in val) if isinstance(val, tuple | list) else tensor_meta(val)
     )
-    prepared = _PreparedSingleDimStrategy(single, prep_schema, out_meta)
+    prepared = PreparedSingleDimStrategy(single, prep_schema, out_meta)
     return expand_to_full_mesh_op_strategy(
         mesh,
         schema,
@@ -264,7 +270,7 @@ def _without_upstream_costs() -> contextlib.AbstractContextManager[None]:
     """Strategies are asked for their placements only (vescale prices redistributions with
     its own model, :mod:`vescale.plan.cost`): upstream's per-pair cost estimate, most of the
     time of a strategy call, is skipped while propagating (through the seam)."""
-    return _patches.temporarily(_strategy_utils, "redistribute_cost", _zero_cost)
+    return _patches.temporarily(upstream_strategy_utils, "redistribute_cost", _zero_cost)
 
 
 def _zero_cost(*_args: Any, **_kwargs: Any) -> float:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from vescale.dtensor._torch_compat import DTensorSpec, StridedShard
+from vescale._torch_compat import DTensorSpec, StridedShard
 from vescale.dtensor.placement_types import InterleavedShard
 
 __all__ = [

@@ -8,7 +8,7 @@ from typing import Any
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale._patches import register_op_strategy
-from vescale.dtensor._torch_compat import OpSchema
+from vescale._torch_compat import OpSchema
 from vescale.dtensor.dtensor import vescale_rules_active
 
 __all__ = ["PROPAGATOR", "wrap_upstream_strategy"]

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from vescale._patches import register_op_strategy
-from vescale.dtensor._torch_compat import (
+from vescale._torch_compat import (
     DTensorSpec,
     OpSchema,
     OpStrategy,

@@ -20,7 +20,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale.dtensor._torch_compat import DTensorSpec, OpSchema
+from vescale._torch_compat import DTensorSpec, OpSchema
 from vescale.dtensor.api import from_local, wait_local
 from vescale.dtensor.dispatch import (
     bypass_dispatch,

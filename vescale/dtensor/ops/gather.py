@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from vescale.dtensor._torch_compat import OpSchema, OpStrategy
+from vescale._torch_compat import OpSchema, OpStrategy
 from vescale.dtensor.ops._registry import wrap_upstream_strategy
 from vescale.dtensor.placement_types import is_private_partial
 

@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale._patches import register_op_strategy
-from vescale.dtensor._torch_compat import (
+from vescale._torch_compat import (
     OpSchema,
     OpStrategy,
     expand_to_full_mesh_op_strategy,

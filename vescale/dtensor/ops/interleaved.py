@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from vescale._patches import set_entry
-from vescale.dtensor._torch_compat import (
+from vescale._torch_compat import (
     DTensorSpec,
     OpSchema,
     OpSpec,

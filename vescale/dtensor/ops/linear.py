@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from vescale.dtensor._torch_compat import DTensorSpec, OpSchema, OutputSharding, TensorMeta
+from vescale._torch_compat import DTensorSpec, OpSchema, OutputSharding, TensorMeta
 from vescale.dtensor.dispatch import vescale_propagation_rule
 from vescale.dtensor.ops._registry import PROPAGATOR
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from vescale.dtensor._torch_compat import OpSchema
+from vescale._torch_compat import OpSchema
 from vescale.dtensor.ops._registry import wrap_upstream_strategy
 
 __all__ = ["SIZES_DIM_OPS"]

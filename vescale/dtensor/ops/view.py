@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from vescale.dtensor._torch_compat import (
+from vescale._torch_compat import (
     DTensorSpec,
     OpSchema,
     OpSpec,

@@ -8,7 +8,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from vescale.dtensor import _torch_compat as compat
+from vescale import _torch_compat as compat
 
 OWNERS = {
     "DeviceMesh": DeviceMesh,
@@ -18,6 +18,7 @@ OWNERS = {
     "ShardingPropagator": type(DTensor._op_dispatcher.sharding_propagator),
     "_mesh_resources": compat._mesh_resources,
     "upstream_dispatch_module": compat.upstream_dispatch_module,
+    "upstream_loss_module": compat.upstream_loss_module,
 }
 
 
@@ -41,7 +42,7 @@ def test_signatures_we_call():
     assert {"async_op", "is_explicit"} <= set(sig.parameters)
     assert {"_init_backend", "_rank"} <= set(inspect.signature(DeviceMesh.__init__).parameters)
     assert list(inspect.signature(compat.OpDispatcher.wrap).parameters) == ["res", "spec"]
-    assert torch.__version__.split("+")[0] >= "2.13"
+    assert torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
 
 
 def test_inductor_pieces_import():

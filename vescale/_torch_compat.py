@@ -19,7 +19,7 @@ from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.device_mesh import _mesh_resources
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.distributed.tensor import _dispatch as upstream_dispatch_module
-from torch.distributed.tensor._collective_utils import redistribute_cost
+from torch.distributed.tensor._collective_utils import mesh_scatter, redistribute_cost
 from torch.distributed.tensor._dispatch import OpDispatcher
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import (
@@ -28,7 +28,10 @@ from torch.distributed.tensor._op_schema import (
     OpSpec,
     OpStrategy,
     OutputSharding,
+    TupleStrategy,
 )
+from torch.distributed.tensor._ops import utils as upstream_strategy_utils
+from torch.distributed.tensor._ops.single_dim_strategy import _PreparedSingleDimStrategy
 from torch.distributed.tensor._ops.utils import (
     expand_to_full_mesh_op_strategy,
 )
@@ -48,7 +51,11 @@ from torch.distributed.tensor.parallel import loss as upstream_loss_module
 from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
-from torch.utils._python_dispatch import TorchDispatchMode, return_and_correct_aliasing
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    return_and_correct_aliasing,
+)
 from torch.utils._pytree import tree_map
 
 __all__ = [
@@ -66,15 +73,18 @@ __all__ = [
     "OpSpec",
     "OpStrategy",
     "OutputSharding",
+    "PreparedSingleDimStrategy",
     "StridedShard",
     "TensorMeta",
     "TorchDispatchMode",
+    "TupleStrategy",
     "_mesh_resources",
     "aot_autograd",
     "are_we_tracing",
     "bucket_merge_fns",
     "compute_global_tensor_info",
     "compute_local_shape_and_global_offset",
+    "disable_current_modes",
     "expand_to_full_mesh_op_strategy",
     "from_functional_tensor",
     "get_proxy_mode",
@@ -82,6 +92,7 @@ __all__ = [
     "inductor_pieces",
     "make_boxed_func",
     "maybe_run_for_local_tensor",
+    "mesh_scatter",
     "redistribute_cost",
     "register_backend",
     "register_opaque_type",
@@ -93,9 +104,12 @@ __all__ = [
     "upstream_loss_module",
     "upstream_redistribute_local_tensor",
     "upstream_register_op_strategy",
+    "upstream_strategy_utils",
 ]
 
 from_functional_tensor = torch._from_functional_tensor
+PreparedSingleDimStrategy = _PreparedSingleDimStrategy
+disable_current_modes = _disable_current_modes
 
 
 def bucket_merge_fns() -> dict[str, Any]:
@@ -149,6 +163,7 @@ def inductor_pieces() -> tuple[Any, Any, Any]:
 #   DTensor._local_tensor, DTensor._spec                     (the DTensor payload)
 PRIVATE_ATTRIBUTES = (
     ("DeviceMesh", "_dim_group_names"),
+    ("DeviceMesh", "_flatten"),
     ("DeviceMesh", "_pg_registry"),
     ("DeviceMesh", "_rank"),
     ("DeviceMesh", "_sym_get_coordinate"),
