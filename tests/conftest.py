@@ -13,6 +13,34 @@ import vescale  # noqa: F401  (DTensor hooks must be installed before any DTenso
 from tests.harness import WorkerPool
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--full",
+        action="store_true",
+        help="also run the exhaustive sweeps marked @pytest.mark.full (nightly-style); "
+        "VESCALE_FULL_SWEEP=1 does the same",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "full: exhaustive sweep, run with --full only")
+
+
+def full_run(config: pytest.Config) -> bool:
+    return bool(config.getoption("--full")) or os.environ.get("VESCALE_FULL_SWEEP") == "1"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``full`` are deselected (not skipped) unless ``--full``: the default
+    run reports them as deselected, never as passed."""
+    if full_run(config):
+        return
+    full = [item for item in items if item.get_closest_marker("full")]
+    if full:
+        config.hook.pytest_deselected(items=full)
+        items[:] = [item for item in items if not item.get_closest_marker("full")]
+
+
 @pytest.fixture(scope="session")
 def pool2():
     pool = WorkerPool(2)

@@ -1,11 +1,9 @@
 """Strategy validation (tests/dtensor/strategy_validation.py): every op vescale hooks is
 exercised by some case, and a budgeted sample of placements of every validation case equals
-single device on 4 ranks (1-D and 2x2). ``VESCALE_FULL_SWEEP=1`` runs every placement of every
-case (fuzz cases included) on 2 and 4 ranks and prints the counts."""
+single device on 4 ranks (1-D and 2x2). ``--full`` (or ``VESCALE_FULL_SWEEP=1``) runs every
+placement of every case (fuzz cases included) on 2 and 4 ranks and prints the counts."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
@@ -43,7 +41,7 @@ def test_strategy_validation_sample(pool4):
     assert not unexplained, "\n".join(unexplained[:15])
 
 
-@pytest.mark.skipif(os.environ.get("VESCALE_FULL_SWEEP") != "1", reason="VESCALE_FULL_SWEEP=1")
+@pytest.mark.full
 def test_strategy_validation_full_sweep(pool2, pool4):
     names = [c.name for c in ALL_CASES]
     c2, r2, w2 = pool2.run(sweep, names, [(2,)], timeout_s=3600)[0]
