@@ -1,4 +1,4 @@
-"""The API.md "Ops" list as test cases: inputs, the op, which inputs take gradients.
+"""docs/concepts.md "Ops on every placement" as test cases: inputs, the op, which inputs take gradients.
 
 Shared by the op x placement fuzz test and the communication tests. Every case builds its
 global inputs from a seed and a size pair (``rows``, ``cols``): (8, 12) shards evenly on 2
