@@ -1,4 +1,4 @@
-"""Communication of the API.md ops, counted with the profiler, explicit mode on.
+"""Communication of the ops of docs/concepts.md "Ops on every placement", counted with the profiler, explicit mode on.
 
 * Layouts that need no communication run with zero collectives, forward and backward (and
   values equal single-device torch: the same check as the fuzz test).
