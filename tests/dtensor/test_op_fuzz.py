@@ -1,4 +1,4 @@
-"""Op x placement fuzz: every op of API.md "Ops" (tests/dtensor/op_cases.py) over every
+"""Op x placement fuzz: every op of docs/concepts.md (tests/dtensor/op_cases.py) over every
 placement combination of its inputs (Replicate, Shard on each dim, Partial for float data)
 on 1-D meshes of 2 and 4 ranks and a 2x2 mesh, on even and uneven sizes, forward and
 backward, against single-device torch in float64. Implicit redistribution is allowed here
