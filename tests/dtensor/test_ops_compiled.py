@@ -1,4 +1,4 @@
-"""A representative subset of the API.md ops under ``torch.compile(backend="vescale")``:
+"""A representative subset of the docs/concepts.md ops under ``torch.compile(backend="vescale")``:
 the compiled program gives single-device values and gradients (the fuzz test's check) and
 issues exactly the collectives eager issues (zero for the layouts that need none).
 
