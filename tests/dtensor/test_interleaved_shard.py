@@ -76,7 +76,7 @@ def _check_contract_layout():
     rank = dist.get_rank()
     x = torch.arange(16 * 3, dtype=torch.float64).view(16, 3)
     d = vescale.distribute_tensor(x, mesh_of((2,)), [InterleavedShard(0, 4)])
-    rows = [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]][rank]  # API.md example
+    rows = [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]][rank]  # docs/concepts.md
     assert torch.equal(d.to_local(), x[rows]), d.to_local()
     assert d.placements == (InterleavedShard(0, 4),) and d.shape == (16, 3)
     assert torch.equal(d.full_tensor(), x)
