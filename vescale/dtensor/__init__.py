@@ -1,14 +1,14 @@
 """The eager layer: ``vescale.DTensor`` on top of ``torch.distributed.tensor``."""
 
-from vescale.dtensor.api import (
+from vescale.dtensor.device_mesh import DeviceMesh, init_device_mesh
+from vescale.dtensor.dtensor import (
+    DTensor,
     distribute_tensor,
     from_local,
     full_tensor,
     redistribute_dtensor,
     to_local,
 )
-from vescale.dtensor.device_mesh import DeviceMesh, init_device_mesh
-from vescale.dtensor.dtensor import DTensor
 from vescale.dtensor.placement_types import (
     InterleavedShard,
     Partial,

@@ -1,69 +1,23 @@
-"""veScale legacy's DTensor entry points, as thin layers over vescale's.
+"""veScale legacy's collectives on DTensors, as thin layers over ``redistribute``.
 
-* :func:`construct`: ``DTensor(local, device_mesh, placements, *, shape, dtype, requires_grad,
-  stride)`` wraps ``local`` as this rank's shard (no communication, no check), as legacy's
-  constructor did, warning when ``requires_grad`` differs from ``local``'s; upstream's
-  ``DTensor(local, spec, *, requires_grad)`` is unchanged.
-* :func:`tolist`: legacy's ``DTensor.tolist()``, this rank's local values as a (nested) list.
-* ``vescale_all_gather`` / ``vescale_all_reduce`` / ``vescale_reduce_scatter``: a
-  ``redistribute`` to Replicate (gather, reduce) or Shard (reduce-scatter) on the given mesh dims.
+``vescale_all_gather`` / ``vescale_all_reduce`` / ``vescale_reduce_scatter``: a
+``redistribute`` to Replicate (gather, reduce) or Shard (reduce-scatter) on the given mesh
+dims. (Legacy's constructor and ``DTensor.tolist()`` are the class's own, in
+:mod:`vescale.dtensor.dtensor`.)
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
-from typing import Any
 
-import torch
-from torch.distributed.tensor import DTensor as _UpstreamDTensor
-
-from vescale._torch_compat import DTensorSpec
-from vescale.dtensor.dtensor import DTensor, as_vescale_spec
-from vescale.dtensor.placement_types import Replicate, Shard, make_spec, normalize_placements
+from vescale.dtensor.dtensor import DTensor
+from vescale.dtensor.placement_types import Replicate, Shard
 
 __all__ = [
-    "construct",
-    "tolist",
     "vescale_all_gather",
     "vescale_all_reduce",
     "vescale_reduce_scatter",
 ]
-
-
-def construct(cls: type, *args: Any, **kwargs: Any) -> Any:
-    """``cls(...)`` with upstream's arguments, or legacy's ``(local, device_mesh, placements,
-    *, shape, dtype, requires_grad, stride)``."""
-    if (len(args) > 1 and isinstance(args[1], DTensorSpec)) or "spec" in kwargs:
-        return _UpstreamDTensor.__new__(cls, *args, **kwargs)  # type: ignore[call-overload]
-    return _construct_legacy(cls, *args, **kwargs)
-
-
-def _construct_legacy(
-    cls: type,
-    local_tensor: torch.Tensor,
-    device_mesh: Any,
-    placements: Sequence[Any],
-    *,
-    shape: Sequence[int],
-    dtype: torch.dtype,
-    requires_grad: bool,
-    stride: Sequence[int],
-) -> Any:
-    if requires_grad and not local_tensor.requires_grad:  # upstream warns the other way round
-        warnings.warn(
-            "To construct DTensor from torch.Tensor, it's recommended to use "
-            "local_tensor.detach() and make requires_grad consistent.",
-            stacklevel=3,
-        )
-    pl = normalize_placements(placements, device_mesh, len(shape), what="DTensor", shape=shape)
-    spec = as_vescale_spec(make_spec(device_mesh, pl, shape, stride, dtype))
-    return _UpstreamDTensor.__new__(cls, local_tensor, spec, requires_grad=requires_grad)  # type: ignore[call-overload]
-
-
-def tolist(self: DTensor) -> Any:
-    """This rank's local values as a (nested) list (legacy's ``DTensor.tolist``)."""
-    return self._local_tensor.tolist()
 
 
 def _mesh_dims(dims: int | Sequence[int] | None, ndim: int, default: list[int]) -> list[int]:

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale._torch_compat import compute_global_tensor_info as _even_global_info
 from vescale._torch_compat import compute_local_shape_and_global_offset
+from vescale.dtensor.layout import dense_strides
 from vescale.dtensor.placement_types import Placement, Shard
 
 __all__ = [
@@ -77,8 +78,6 @@ def compute_global_tensor_info(
     if meshdim_localtensor_shape is None:
         shape, stride = _even_global_info(tensor, mesh, placements)
         return list(shape), list(stride)
-    from vescale.dtensor.api import _global_stride
-
     shape = list(tensor.shape)
     seen: set[int] = set()
     for mesh_dim, p in enumerate(placements):
@@ -90,7 +89,7 @@ def compute_global_tensor_info(
         else:
             shape[dim] = sum(s[dim] for s in meshdim_localtensor_shape[mesh_dim])
         seen.add(dim)
-    return shape, list(_global_stride(tensor, shape))
+    return shape, list(dense_strides(shape, tensor))
 
 
 def _same_layout(a: Any, b: Any, exact_device: bool) -> bool:

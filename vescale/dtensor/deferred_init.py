@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -32,14 +31,14 @@ import torch
 from torch import nn
 
 from vescale._torch_compat import TorchDispatchMode, tree_map
-from vescale.dtensor import api
+from vescale.dtensor.dtensor import DTensor, from_local
+from vescale.dtensor.layout import contiguous_strides, local_indices
 from vescale.dtensor.placement_types import Placement, normalize_placements
 from vescale.dtensor.random import (
     RANDOM_OPS,
     Indices,
     RandomOp,
     default_generator,
-    local_indices,
     random_op_of,
     run_random,
     take_local,
@@ -506,7 +505,7 @@ def _local_of(tensor: torch.Tensor, indices: Indices) -> torch.Tensor:
 
 def materialize_dtensor(
     tensor: torch.Tensor, device_mesh: Any, placements: Sequence[Placement]
-) -> api.DTensor:
+) -> DTensor:
     """A DTensor on ``device_mesh`` whose local shard is computed here (no communication), with
     the values eager single-device initialization gives; a non-deferred tensor is sliced."""
     pl = normalize_placements(placements, device_mesh, tensor.ndim, what="materialize_dtensor")
@@ -519,8 +518,8 @@ def materialize_dtensor(
         if any(p.is_partial() and c != 0 for p, c in zip(pl, coord)):
             local.zero_()  # Partial: the value on coordinate 0, zeros elsewhere
     local = local.to(device_mesh.device_type if device_mesh.device_type != "meta" else "cpu")
-    stride = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
-    return api.from_local(local, device_mesh, pl, run_check=False, shape=shape, stride=stride)
+    stride = contiguous_strides(shape)
+    return from_local(local, device_mesh, pl, run_check=False, shape=shape, stride=stride)
 
 
 def _materialize_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,15 @@
 """``vescale.DTensor``: upstream ``DTensor`` with veScale's conversion semantics.
 
+The class and its conversions live here (one module, no import cycle):
+
+* ``distribute_tensor``: data from coordinate 0; ``Partial`` puts the value on coordinate 0
+  (identity elements elsewhere); the caller's tensor is never modified.
+* ``from_local``: uneven shards by default (local sizes gathered along sharded mesh dims,
+  rank i holding ``torch.chunk`` chunk i); ``run_check`` broadcasts Replicate data from
+  coordinate 0 (``VESCALE_DISABLE_RUN_CHECK=1`` turns it off everywhere).
+* ``to_local``/``redistribute`` with async collectives; ``Replicate -> Partial`` is local.
+All are differentiable.
+
 What is vescale's is marked on the spec: a ``vescale.DTensor`` carries a
 :class:`VescaleSpec`, equal to the ``DTensorSpec`` with the same fields but hashed apart, so
 upstream's sharding caches (C++ and Python) keep the results of ops on vescale DTensors
@@ -13,27 +23,61 @@ check per output; upstream DTensors keep upstream's classes and behaviour.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
+from torch.distributed.tensor import distribute_tensor as _upstream_distribute_tensor
 
-from vescale._torch_compat import DTensorSpec, OpDispatcher
+from vescale._torch_compat import (
+    DTensorSpec,
+    OpDispatcher,
+    _mesh_resources,
+    are_we_tracing,
+    compute_global_tensor_info,
+    compute_local_shape_and_global_offset,
+)
 from vescale.dtensor._recording import ACTIVE as _RECORDING
-from vescale.dtensor._recording import record_placements
+from vescale.dtensor._recording import record_placements, record_redistribute
 from vescale.dtensor.device_mesh import DeviceMesh
-from vescale.dtensor.placement_types import Placement
+from vescale.dtensor.layout import chunk_sizes, contiguous_strides, dense_strides
+from vescale.dtensor.placement_types import (
+    Placement,
+    Replicate,
+    Shard,
+    check_interleaved,
+    make_spec,
+    normalize_placements,
+    spec_placements,
+    user_placements,
+)
+from vescale.dtensor.redistribute import (
+    redistribute_local_tensor,
+    replicate_to_partial,
+    wait_local,
+)
 
 __all__ = [
     "DTensor",
     "VescaleSpec",
     "as_vescale_spec",
+    "distribute_tensor",
+    "from_local",
+    "full_tensor",
     "is_vescale_spec",
+    "new_dtensor",
+    "redistribute_dtensor",
+    "to_local",
     "upstream_init",
     "vescale_rules",
     "vescale_rules_active",
+    "wrap_local",
     "wrap_output",
 ]
 
@@ -94,24 +138,344 @@ def vescale_rules(on: bool = True) -> Iterator[None]:
         _rules.on = prev
 
 
-class DTensor(_UpstreamDTensor):
-    """A distributed tensor; accepted everywhere an upstream ``DTensor`` is.
+# ---- conversions (differentiable) ---------------------------------------------------
 
-    ``DTensor.from_local`` is :func:`vescale.from_local` (bound in ``api.py``).
+
+def _mesh(device_mesh: Any, what: str) -> Any:
+    if device_mesh is not None:
+        return device_mesh
+    if not _mesh_resources.mesh_stack:
+        raise ValueError(f"{what}: no device_mesh given and none active (use `with mesh:`)")
+    return _mesh_resources.get_current_mesh()
+
+
+def _grad_placements(placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    """Default gradient layout for a tensor laid out as ``placements``: Partial -> Replicate."""
+    return tuple(Replicate() if p.is_partial() else p for p in placements)
+
+
+def _comm_device(mesh: Any) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(
+        mesh.device_type, torch.get_device_module(mesh.device_type).current_device()
+    )
+
+
+def _gathered_global_shape(
+    local: torch.Tensor, mesh: Any, placements: Sequence[Placement]
+) -> list[int]:
+    """Global shape from the local sizes on every rank (innermost mesh dim first)."""
+    shape = list(local.shape)
+    for mesh_dim in reversed(range(mesh.ndim)):
+        p = placements[mesh_dim]
+        n = mesh.size(mesh_dim)
+        if not isinstance(p, Shard) or n == 1:
+            continue
+        mine = torch.tensor([shape[p.dim]], dtype=torch.int64, device=_comm_device(mesh))
+        sizes = funcol.all_gather_single(mine, 0, (mesh, mesh_dim)).tolist()
+        total = sum(sizes)
+        if sizes != chunk_sizes(total, n):
+            raise ValueError(
+                f"from_local: local sizes {sizes} of tensor dim {p.dim} along mesh dim "
+                f"{mesh_dim} of {mesh} are not the torch.chunk split of {total} over {n} "
+                f"ranks ({chunk_sizes(total, n)}); rank i must hold chunk i"
+            )
+        shape[p.dim] = total
+    return shape
+
+
+def _broadcast_replicated(
+    local: torch.Tensor, mesh: Any, placements: Sequence[Placement]
+) -> torch.Tensor:
+    """``local`` made identical along Replicate mesh dims (coordinate 0's data); never in place."""
+    out = wait_local(local)
+    for mesh_dim, p in enumerate(placements):
+        if p.is_replicate() and mesh.size(mesh_dim) > 1:
+            src = mesh.get_local_rank(mesh_dim) == 0
+            buf = (
+                out.contiguous()
+                if src
+                else torch.empty_like(out, memory_format=torch.contiguous_format)
+            )
+            dist.broadcast(buf, group=mesh.get_group(mesh_dim), group_src=0)
+            out = buf
+    return out
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        local: torch.Tensor,
+        spec: DTensorSpec,
+        grad_placements: tuple[Placement, ...] | None,
+        run_check: bool,
+    ) -> DTensor:
+        ctx.spec = spec
+        ctx.grad_placements = grad_placements
+        ctx.set_materialize_grads(False)
+        data = _broadcast_replicated(local, spec.mesh, spec.placements) if run_check else local
+        if data is local:
+            data = local.view_as(local)  # a fresh tensor object sharing the caller's memory
+        return new_dtensor(data, spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx: Any, grad: _UpstreamDTensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        if grad is None:
+            return None, None, None, None
+        target = ctx.grad_placements or _grad_placements(ctx.spec.placements)
+        local = grad._local_tensor
+        if tuple(grad._spec.placements) != tuple(target):
+            dst = DTensorSpec(grad._spec.mesh, tuple(target), tensor_meta=grad._spec.tensor_meta)
+            local = redistribute_local_tensor(local, grad._spec, dst)
+        return wait_local(local), None, None, None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        dt: DTensor,
+        grad_placements: tuple[Placement, ...] | None,
+        async_output: bool,
+    ) -> torch.Tensor:
+        ctx.spec = dt._spec
+        ctx.grad_placements = grad_placements
+        ctx.set_materialize_grads(False)
+        local = dt._local_tensor if async_output else wait_local(dt._local_tensor)
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        if grad is None:
+            return None, None, None
+        spec: DTensorSpec = ctx.spec
+        placements = ctx.grad_placements or _grad_placements(spec.placements)
+        gspec = make_spec(
+            spec.mesh, placements, spec.shape, dense_strides(spec.shape, grad), grad.dtype
+        )
+        return new_dtensor(grad, gspec, requires_grad=grad.requires_grad), None, None
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, dt: _UpstreamDTensor, placements: tuple[Placement, ...], async_op: bool
+    ) -> DTensor:
+        src = dt._spec
+        ctx.src_placements = src.placements
+        ctx.async_op = async_op
+        dst = DTensorSpec(src.mesh, placements, tensor_meta=src.tensor_meta)
+        local = redistribute_local_tensor(dt._local_tensor, src, dst, async_op=async_op)
+        if local is dt._local_tensor:
+            local = local.view_as(local)
+        if _RECORDING[0]:
+            record_redistribute(local, src.placements, placements)
+        return new_dtensor(local, dst, requires_grad=dt.requires_grad)
+
+    @staticmethod
+    def backward(ctx: Any, grad: _UpstreamDTensor) -> tuple[Any, ...]:  # type: ignore[override]
+        # A gradient is never turned back into a Partial it does not already have.
+        target = tuple(
+            Replicate() if s.is_partial() and not g.is_partial() else s
+            for s, g in zip(ctx.src_placements, grad.placements)
+        )
+        return _Redistribute.apply(grad, target, ctx.async_op), None, None
+
+
+def distribute_tensor(
+    tensor: torch.Tensor,
+    device_mesh: Any = None,
+    placements: Sequence[Placement] | None = None,
+    *,
+    src_data_rank: int | None = 0,
+) -> DTensor:
+    """Distribute a global ``tensor`` (taken from coordinate 0) over ``device_mesh``."""
+    mesh = _mesh(device_mesh, "distribute_tensor")
+    if isinstance(tensor, _UpstreamDTensor):
+        raise TypeError(
+            f"distribute_tensor: input is already a DTensor (placements {tensor.placements} "
+            f"on {tensor.device_mesh}); use .redistribute() to change its placements"
+        )
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"distribute_tensor: expected a torch.Tensor, got {type(tensor).__name__}")
+    pl = normalize_placements(
+        placements, mesh, tensor.ndim, what="distribute_tensor", shape=tensor.shape
+    )
+    if not tensor.is_leaf:
+        raise RuntimeError(
+            f"distribute_tensor: only leaf tensors can be distributed (got a non-leaf, made by "
+            f"{type(tensor.grad_fn).__name__}, for {pl} on {mesh}): gradients would not reach "
+            f"its source; distribute the leaf, or pass tensor.detach()"
+        )
+    # Partial dims: first replicate, then partition locally
+    upstream_pl = spec_placements(_grad_placements(pl))
+    src = tensor.detach()
+    if any(not p.is_shard() and mesh.size(i) > 1 for i, p in enumerate(upstream_pl)):
+        src = src.clone()  # upstream broadcasts into its input on non-source ranks
+    local = _upstream_distribute_tensor(
+        src, mesh, upstream_pl, src_data_rank=src_data_rank
+    )._local_tensor
+    for mesh_dim, p in enumerate(pl):
+        if p.is_partial() and mesh.get_coordinate() is not None:  # off the mesh: empty
+            local = replicate_to_partial(local, p.reduce_op, mesh._sym_get_coordinate(mesh_dim))  # type: ignore[attr-defined]
+    spec = make_spec(mesh, pl, tensor.shape, tensor.stride(), tensor.dtype)
+    return new_dtensor(local.detach(), spec, requires_grad=tensor.requires_grad)
+
+
+def from_local(
+    local_tensor: torch.Tensor,
+    device_mesh: Any = None,
+    placements: Sequence[Placement] | None = None,
+    *,
+    run_check: bool = True,
+    shape: torch.Size | Sequence[int] | None = None,
+    stride: Sequence[int] | None = None,
+    support_uneven: bool = True,
+    async_input: bool = True,
+    grad_placements: Sequence[Placement] | None = None,
+) -> DTensor:
+    """Build a DTensor from each rank's local shard (differentiable).
+
+    Without ``shape``/``stride`` and with ``support_uneven`` the global shape is the sum of
+    the local sizes along every sharded mesh dim (one small all-gather per such dim);
+    ``support_uneven=False`` assumes even shards (no communication). ``run_check`` makes
+    Replicate data consistent by broadcasting coordinate 0's local tensor (never in place).
+    ``async_input=False`` waits an in-flight async collective input first. Inside
+    ``torch.compile`` nothing is communicated: shards are assumed even unless ``shape`` and
+    ``stride`` are given, and ``run_check`` is skipped. A rank outside ``device_mesh`` gets
+    an empty local tensor and communicates nothing (the global shape assumes even shards).
     """
+    if isinstance(local_tensor, _UpstreamDTensor):
+        raise TypeError(
+            f"from_local: expected the local torch.Tensor shard, got a DTensor (placements "
+            f"{local_tensor.placements} on {local_tensor.device_mesh})"
+        )
+    if not isinstance(local_tensor, torch.Tensor):
+        raise TypeError(f"from_local: expected a torch.Tensor, got {type(local_tensor).__name__}")
+    if (shape is None) != (stride is None):
+        raise ValueError(
+            f"from_local: pass both shape and stride or neither (got shape={shape}, stride={stride})"
+        )
+    mesh = _mesh(device_mesh, "from_local")
+    pl = normalize_placements(placements, mesh, local_tensor.ndim, what="from_local")
+    gp = (
+        spec_placements(
+            normalize_placements(grad_placements, mesh, local_tensor.ndim, what="from_local")
+        )
+        if grad_placements is not None
+        else None
+    )
+    if not async_input:
+        local_tensor = wait_local(local_tensor)
+    tracing = are_we_tracing()  # no data-dependent communication inside a compiled graph
+    outside = not tracing and mesh.get_coordinate() is None
+    if shape is not None:
+        gshape, gstride = torch.Size(shape), tuple(stride)  # type: ignore[arg-type]
+    elif (
+        support_uneven
+        and not tracing
+        and not outside
+        and mesh.device_type != "meta"
+        and any(p.is_shard() for p in pl)
+    ):
+        gshape = torch.Size(_gathered_global_shape(local_tensor, mesh, pl))
+        gstride = dense_strides(gshape, local_tensor)
+    else:
+        s, st = compute_global_tensor_info(local_tensor, mesh, pl)
+        gshape, gstride = torch.Size(s), tuple(st)
+    check_interleaved(gshape, mesh, pl, what="from_local")
+    spec = make_spec(mesh, pl, gshape, gstride, local_tensor.dtype)
+    if not tracing and mesh.get_coordinate() is not None:
+        expected = _local_shape(spec)
+        if tuple(local_tensor.shape) != expected:
+            raise ValueError(
+                f"from_local: local shape {tuple(local_tensor.shape)} does not match the "
+                f"shard {expected} of global shape {tuple(gshape)} with placements {pl} on {mesh}"
+            )
+    if outside:  # upstream's rule: an empty local tensor, no communication
+        local_tensor = local_tensor.new_empty(0, requires_grad=local_tensor.requires_grad)
+    run_check = run_check and os.environ.get("VESCALE_DISABLE_RUN_CHECK", "0") != "1"
+    run_check = run_check and mesh.device_type != "meta" and not tracing and not outside
+    return _FromLocal.apply(local_tensor, spec, gp, run_check)  # type: ignore[no-any-return]
+
+
+def _local_shape(spec: DTensorSpec) -> tuple[int, ...]:
+    shape, _ = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
+    return tuple(shape)
+
+
+def to_local(
+    dtensor: _UpstreamDTensor,
+    *,
+    grad_placements: Sequence[Placement] | None = None,
+    async_output: bool = True,
+) -> torch.Tensor:
+    """The local shard (differentiable). ``async_output=False`` returns a waited plain tensor."""
+    if not isinstance(dtensor, _UpstreamDTensor):
+        raise TypeError(f"to_local: expected a DTensor, got {type(dtensor).__name__}")
+    gp = (
+        normalize_placements(grad_placements, dtensor.device_mesh, dtensor.ndim, what="to_local")
+        if grad_placements is not None
+        else None
+    )
+    return _ToLocal.apply(dtensor, gp, async_output)  # type: ignore[no-any-return]
+
+
+def redistribute_dtensor(
+    dtensor: _UpstreamDTensor,
+    device_mesh: Any = None,
+    placements: Sequence[Placement] | None = None,
+    async_op: bool = True,
+) -> DTensor:
+    """``dtensor`` laid out as ``placements`` (differentiable; any pair of placements)."""
+    if not isinstance(dtensor, _UpstreamDTensor):
+        raise TypeError(f"redistribute: expected a DTensor, got {type(dtensor).__name__}")
+    if placements is None:
+        raise ValueError(
+            f"redistribute: placements is required (DTensor has {dtensor.placements} on "
+            f"{dtensor.device_mesh})"
+        )
+    mesh = device_mesh if device_mesh is not None else dtensor.device_mesh
+    if mesh != dtensor.device_mesh:
+        raise ValueError(
+            f"redistribute: cannot move a DTensor from {dtensor.device_mesh} to another mesh {mesh}"
+        )
+    pl = normalize_placements(
+        placements, mesh, dtensor.ndim, what="redistribute", shape=dtensor.shape
+    )
+    return _Redistribute.apply(dtensor, spec_placements(pl), async_op)  # type: ignore[no-any-return]
+
+
+def full_tensor(
+    dtensor: _UpstreamDTensor, *, grad_placements: Sequence[Placement] | None = None
+) -> torch.Tensor:
+    """The global tensor on every rank, waited (differentiable)."""
+    replicated = redistribute_dtensor(
+        dtensor, placements=(Replicate(),) * dtensor.device_mesh.ndim, async_op=False
+    )
+    return to_local(replicated, grad_placements=grad_placements, async_output=False)
+
+
+torch._dynamo.allow_in_graph(from_local)  # like upstream DTensor.from_local: one graph call
+
+
+class DTensor(_UpstreamDTensor):
+    """A distributed tensor; accepted everywhere an upstream ``DTensor`` is."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> DTensor:
         """Upstream's ``(local, spec, *, requires_grad)`` or veScale legacy's ``(local, mesh,
-        placements, *, shape, dtype, requires_grad, stride)`` (see ``_legacy.construct``)."""
-        from vescale.dtensor._legacy import construct
+        placements, *, shape, dtype, requires_grad, stride)``: wraps ``local`` as this rank's
+        shard (no communication, no check)."""
+        return _construct(cls, *args, **kwargs)  # type: ignore[no-any-return]
 
-        return construct(cls, *args, **kwargs)  # type: ignore[no-any-return]
+    @property
+    def placements(self) -> tuple[Placement, ...]:  # type: ignore[override]
+        """The placements as users see them (``InterleavedShard`` where the spec has its layout)."""
+        return user_placements(self._spec)
 
-    def tolist(self) -> Any:
-        """veScale legacy's ``tolist``: this rank's local values (see ``_legacy.tolist``)."""
-        from vescale.dtensor._legacy import tolist
-
-        return tolist(self)
+    from_local = staticmethod(from_local)  # type: ignore[assignment]
 
     def to_local(  # type: ignore[override]
         self,
@@ -120,7 +484,7 @@ class DTensor(_UpstreamDTensor):
         async_output: bool = True,
     ) -> torch.Tensor:
         """The local shard; ``async_output=False`` waits any in-flight collective first."""
-        return api.to_local(self, grad_placements=grad_placements, async_output=async_output)
+        return to_local(self, grad_placements=grad_placements, async_output=async_output)
 
     def redistribute(  # type: ignore[override]
         self,
@@ -129,17 +493,21 @@ class DTensor(_UpstreamDTensor):
         async_op: bool = True,
     ) -> DTensor:
         """See :func:`vescale.redistribute_dtensor`."""
-        return api.redistribute_dtensor(self, device_mesh, placements, async_op=async_op)
+        return redistribute_dtensor(self, device_mesh, placements, async_op=async_op)
 
     def full_tensor(  # type: ignore[override]
         self, *, grad_placements: Sequence[Placement] | None = None
     ) -> torch.Tensor:
         """The whole global tensor on every rank, waited."""
-        return api.full_tensor(self, grad_placements=grad_placements)
+        return full_tensor(self, grad_placements=grad_placements)
+
+    def tolist(self) -> Any:
+        """veScale legacy's ``tolist``: this rank's local values as a (nested) list."""
+        return self._local_tensor.tolist()
 
     def data_ptr(self) -> int:
         """The local shard's ``data_ptr()`` (for pointer-taking plug-in kernels)."""
-        return api.wait_local(self._local_tensor).data_ptr()
+        return wait_local(self._local_tensor).data_ptr()
 
     @staticmethod
     def __tensor_unflatten__(
@@ -196,4 +564,44 @@ def wrap_output(res: object, spec: object) -> object:
     return _upstream_wrap(res, spec)
 
 
-from vescale.dtensor import api  # noqa: E402  (api imports DTensor from here)
+def wrap_local(local: torch.Tensor, mesh: Any, placements: Any, shape: Any) -> DTensor:
+    """An op handler's local result as a DTensor of global ``shape`` (contiguous strides),
+    with no communication (no shape gathering, no run check)."""
+    return from_local(
+        local,
+        mesh,
+        list(placements),
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=contiguous_strides(shape),
+    )
+
+
+def _construct(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """``cls(...)`` with upstream's arguments, or legacy's ``(local, device_mesh, placements,
+    *, shape, dtype, requires_grad, stride)``."""
+    if (len(args) > 1 and isinstance(args[1], DTensorSpec)) or "spec" in kwargs:
+        return _UpstreamDTensor.__new__(cls, *args, **kwargs)  # type: ignore[call-overload]
+    return _construct_legacy(cls, *args, **kwargs)
+
+
+def _construct_legacy(
+    cls: type,
+    local_tensor: torch.Tensor,
+    device_mesh: Any,
+    placements: Sequence[Any],
+    *,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    requires_grad: bool,
+    stride: Sequence[int],
+) -> Any:
+    if requires_grad and not local_tensor.requires_grad:  # upstream warns the other way round
+        warnings.warn(
+            "To construct DTensor from torch.Tensor, it's recommended to use "
+            "local_tensor.detach() and make requires_grad consistent.",
+            stacklevel=3,
+        )
+    pl = normalize_placements(placements, device_mesh, len(shape), what="DTensor", shape=shape)
+    spec = as_vescale_spec(make_spec(device_mesh, pl, shape, stride, dtype))
+    return _UpstreamDTensor.__new__(cls, local_tensor, spec, requires_grad=requires_grad)  # type: ignore[call-overload]

@@ -18,8 +18,8 @@ from typing import Any, cast
 import torch
 
 from vescale.dtensor._utils import compute_local_shape_and_global_offset
-from vescale.dtensor.api import _mesh
-from vescale.dtensor.dtensor import DTensor, new_dtensor
+from vescale.dtensor.dtensor import DTensor, _mesh, new_dtensor
+from vescale.dtensor.layout import contiguous_strides
 from vescale.dtensor.placement_types import (
     Partial,
     Placement,
@@ -67,7 +67,7 @@ def _build(
     else:
         local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, value_pl)
         local = fill(torch.Size(local_shape), dtype, offset).to(device)
-    stride = torch._prims_common.make_contiguous_strides_for(shape)
+    stride = contiguous_strides(shape)
     spec = make_spec(mesh, value_pl, shape, stride, local.dtype)
     out = new_dtensor(local, spec, requires_grad=False)
     if random is not None:

@@ -25,6 +25,7 @@ from vescale._torch_compat import (
     TensorMeta,
     register_opaque_type,
 )
+from vescale.dtensor.layout import interleave_divides, interleaved_sizes
 
 __all__ = [
     "DTensorSpec",
@@ -183,27 +184,6 @@ def spec_placements(placements: Sequence[Placement]) -> tuple[Placement, ...]:
     return tuple(p.to_strided() if isinstance(p, InterleavedShard) else p for p in placements)
 
 
-def _interleaved_sizes(
-    shape: Sequence[int], mesh_sizes: Sequence[int], placements: Sequence[Placement]
-) -> list[int | None]:
-    """Per mesh dim, the size of the sharded tensor dim as that mesh dim sees it (after the
-    earlier mesh dims' even shards); None where unknown (not a shard, or an uneven one before)."""
-    sizes: list[int | None] = [int(s) for s in shape]
-    out: list[int | None] = []
-    for n, p in zip(mesh_sizes, placements):
-        if not isinstance(p, Shard | StridedShard):
-            out.append(None)
-            continue
-        size = sizes[p.dim]
-        out.append(size)
-        sizes[p.dim] = size // n if size is not None and size % n == 0 else None
-    return out
-
-
-def _interleave_divides(size: int | None, k: int, n: int) -> bool:
-    return size is not None and size % k == 0 and (size // k) % n == 0
-
-
 def user_placements(spec: DTensorSpec) -> tuple[Placement, ...]:
     """``spec.placements`` as users see them: ``_StridedShard`` -> ``InterleavedShard`` where
     the sizes divide (the two layouts are then the same data)."""
@@ -211,10 +191,10 @@ def user_placements(spec: DTensorSpec) -> tuple[Placement, ...]:
     if not any(type(p) is StridedShard for p in placements):
         return placements
     mesh_sizes = spec.mesh.shape
-    sizes = _interleaved_sizes(spec.shape, mesh_sizes, placements)
+    sizes = interleaved_sizes(spec.shape, mesh_sizes, placements)
     return tuple(
         InterleavedShard(p.dim, int(p.split_factor))
-        if type(p) is StridedShard and _interleave_divides(size, int(p.split_factor), n)
+        if type(p) is StridedShard and interleave_divides(size, int(p.split_factor), n)
         else p
         for p, size, n in zip(placements, sizes, mesh_sizes)
     )
@@ -228,9 +208,9 @@ def check_interleaved(
     if not any(isinstance(p, InterleavedShard) for p in placements):
         return  # reading no sizes: a dynamic (symbolic) dim stays unspecialized
     mesh_sizes = [mesh.size(i) for i in range(len(placements))]
-    sizes = _interleaved_sizes(shape, mesh_sizes, placements)
+    sizes = interleaved_sizes(shape, mesh_sizes, placements)
     for i, (p, size, n) in enumerate(zip(placements, sizes, mesh_sizes)):
-        if isinstance(p, InterleavedShard) and not _interleave_divides(size, p.interleaved_size, n):
+        if isinstance(p, InterleavedShard) and not interleave_divides(size, p.interleaved_size, n):
             raise ValueError(
                 f"{what}: {p!r} on mesh dim {i} needs tensor dim {p.dim} (size {size} there) "
                 f"divisible by interleaved_size {p.interleaved_size} and size // "

@@ -48,16 +48,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale._torch_compat import DTensorSpec, StridedShard, TensorMeta
+from vescale._torch_compat import DTensorSpec, TensorMeta
 from vescale.dtensor.dispatch import bypass_dispatch
 from vescale.dtensor.dtensor import new_dtensor
-from vescale.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from vescale.dtensor.layout import contiguous_strides, local_indices
+from vescale.dtensor.placement_types import Partial, Replicate
 from vescale.dtensor.redistribute import replicate_to_partial, wait_local
 
 __all__ = [
     "PIECE_ELEMENTS",
     "RandomOp",
-    "local_indices",
     "random_op_of",
     "run_random",
     "take_local",
@@ -73,47 +73,7 @@ RANDOM_OPS = (_UNIFORM, _NORMAL, _BERNOULLI)
 Indices = tuple[torch.Tensor, ...]
 
 
-# ---- which global indices a rank holds -------------------------------------------------
-
-
-def _chunk_sizes(total: int, n: int) -> list[int]:
-    step = -(-total // n) if total else 0
-    return [max(0, min(step, total - k * step)) for k in range(n)]
-
-
-def local_indices(
-    shape: Sequence[int],
-    mesh: Any,
-    placements: Sequence[Placement],
-    coordinate: Sequence[int] | None = None,
-) -> Indices:
-    """Per tensor dim, the sorted global indices this rank's shard holds (row-major order).
-
-    Mesh dims are applied in order: ``Shard(d)`` keeps ``torch.chunk`` chunk ``c`` of the
-    indices left on dim ``d`` (uneven sizes included); a placement with
-    ``interleaved_size = k`` (``InterleavedShard``, or upstream's ``_StridedShard`` with
-    ``split_factor = k``, its DTensorSpec form) views them as ``(k, N // k)`` and keeps
-    chunk ``c`` of the second factor. ``Replicate``/``Partial`` keep everything.
-    """
-    coord = list(coordinate) if coordinate is not None else mesh.get_coordinate()
-    if coord is None:
-        raise ValueError(f"local_indices: this rank is not part of {mesh}")
-    idx = [torch.arange(s) for s in shape]
-    for mesh_dim, p in enumerate(placements):
-        if not isinstance(p, Shard | StridedShard):
-            continue
-        n, c, cur = mesh.size(mesh_dim), coord[mesh_dim], idx[p.dim]
-        k = getattr(p, "interleaved_size", None) or getattr(p, "split_factor", None)
-        if k is not None:
-            groups = cur.view(k, -1)
-            sizes = _chunk_sizes(groups.shape[1], n)
-            start = sum(sizes[:c])
-            idx[p.dim] = groups[:, start : start + sizes[c]].flatten()
-        else:
-            sizes = _chunk_sizes(cur.numel(), n)
-            start = sum(sizes[:c])
-            idx[p.dim] = cur[start : start + sizes[c]]
-    return tuple(idx)
+# ---- a rank's shard of a full tensor ----------------------------------------------------
 
 
 def _selector(indices: Indices, shape: Sequence[int], first: int = 0) -> tuple[Any, ...]:
@@ -273,7 +233,7 @@ def _stream(
 ) -> _Stream | None:
     """A piecewise producer exactly reproducing ``rop`` on the whole tensor, if there is one."""
     numel = math.prod(shape)
-    contiguous = tuple(stride) == _contiguous_stride(shape)
+    contiguous = tuple(stride) == contiguous_strides(shape)
     if device.type != "cpu" or gen.device.type != "cpu" or not contiguous or numel == 0:
         return None
     if rop.op is _UNIFORM and dtype.is_floating_point:
@@ -283,14 +243,6 @@ def _stream(
     if rop.op is _NORMAL and dtype in (torch.float32, torch.float64) and numel >= 16:
         return _NormalStream(rop, numel, dtype, gen)
     return None
-
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(stride))
 
 
 def run_random(
@@ -307,7 +259,7 @@ def run_random(
     ``out`` when given, else a new tensor; ``None`` when ``indices`` is ``None``) and advance
     the generator exactly as the op on the whole tensor does."""
     gen = rop.generator or default_generator(torch.device(device))
-    stride = tuple(stride) if stride is not None else _contiguous_stride(shape)
+    stride = tuple(stride) if stride is not None else contiguous_strides(shape)
     stream = _stream(rop, shape, stride, dtype, torch.device(device), gen)
     if stream is None:  # bounded fallback: this one tensor in full
         full = rop.apply(torch.empty_strided(shape, stride, dtype=dtype, device=device), gen)
@@ -494,7 +446,7 @@ def _dtensor_random_like(
     dtype = kwargs.get("dtype") or dt.dtype
     fmt = kwargs.get("memory_format") or torch.preserve_format
     keep = preserve and fmt == torch.preserve_format
-    stride = spec.stride if keep else _contiguous_stride(spec.shape)
+    stride = spec.stride if keep else contiguous_strides(spec.shape)
     local = torch.empty_like(
         dt._local_tensor, dtype=dtype, memory_format=fmt if keep else torch.contiguous_format
     )
@@ -526,11 +478,12 @@ def _native_dropout(
     return out, mask
 
 
+# off_mesh: ranks outside the mesh advance their generator too (same offsets as on it)
 for _op in INPLACE_RANDOM_OPS:
-    bypass_dispatch(_op)(_dtensor_random)
+    bypass_dispatch(_op, off_mesh=True)(_dtensor_random)
 for _op in _LIKE_OPS:
-    bypass_dispatch(_op)(_dtensor_random_like)
-bypass_dispatch(aten.native_dropout.default)(_native_dropout)
+    bypass_dispatch(_op, off_mesh=True)(_dtensor_random_like)
+bypass_dispatch(aten.native_dropout.default, off_mesh=True)(_native_dropout)
 
 
 # ---- veScale legacy's seeding API ------------------------------------------------------
