@@ -38,6 +38,7 @@ from vescale._torch_compat import (
     maybe_run_for_local_tensor,
     upstream_redistribute_local_tensor,
 )
+from vescale.dtensor.layout import contiguous_strides
 from vescale.dtensor.placement_types import Partial, Placement, Replicate
 
 __all__ = [
@@ -205,7 +206,7 @@ def _one_mesh_dim(
     outer = (*cur[:mesh_dim], *replicated[mesh_dim:])
     shape, _ = compute_local_shape_and_global_offset(spec.shape, mesh, outer)
     dtype = spec.tensor_meta.dtype  # type: ignore[union-attr]
-    meta = TensorMeta(torch.Size(shape), torch.empty(shape, device="meta").stride(), dtype)
+    meta = TensorMeta(torch.Size(shape), contiguous_strides(shape), dtype)
     only = replicated.copy()
     only[mesh_dim] = cur[mesh_dim]
     a = DTensorSpec(mesh, tuple(only), tensor_meta=meta)

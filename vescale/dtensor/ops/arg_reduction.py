@@ -25,12 +25,8 @@ from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale.dtensor.api import wait_local
 from vescale.dtensor.dispatch import bypass_dispatch, python_dispatch
-from vescale.dtensor.ops._layout import (
-    contiguous_shards,
-    local_range,
-    sharding_mesh_dims,
-    wrap_local,
-)
+from vescale.dtensor.dtensor import wrap_local
+from vescale.dtensor.layout import contiguous_shards, local_range, sharding_mesh_dims
 from vescale.dtensor.placement_types import Placement, Replicate, Shard
 
 __all__ = ["arg_extremum", "sharded_topk"]
@@ -118,7 +114,11 @@ def arg_extremum(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[
         return python_dispatch(op, args, kwargs)
     dim = dim % x.ndim
     sharded = bool(sharding_mesh_dims(x.device_mesh, x.placements, dim))
-    if not sharded or any(p.is_partial() for p in x.placements) or not contiguous_shards(x):
+    if (
+        not sharded
+        or any(p.is_partial() for p in x.placements)
+        or not contiguous_shards(x.placements)
+    ):
         return python_dispatch(op, args, kwargs)
     _, idx, placements, sharding = _reduce(x, dim, 1, _LARGEST[op], first=True)
     shape = list(x.shape)
@@ -138,7 +138,7 @@ def sharded_topk(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[
     x, k = bound["self"], int(bound["k"])
     if not isinstance(x, _UpstreamDTensor) or x.ndim == 0:
         return python_dispatch(op, args, kwargs)
-    if any(p.is_partial() for p in x.placements) or not contiguous_shards(x):
+    if any(p.is_partial() for p in x.placements) or not contiguous_shards(x.placements):
         return python_dispatch(op, args, kwargs)
     dim = bound.get("dim", -1) % x.ndim
     if k > x.shape[dim]:

@@ -30,7 +30,7 @@ from vescale._torch_compat import (
     OpStrategy,
     expand_to_full_mesh_op_strategy,
 )
-from vescale.dtensor.ops._layout import empty_shard_dims
+from vescale.dtensor.layout import empty_shard_dims
 from vescale.dtensor.placement_types import Partial, Placement, Replicate, Shard
 
 __all__ = ["no_empty_shard", "sdpa_cpu_backward_strategy", "sdpa_cpu_strategy"]

@@ -28,7 +28,7 @@ from vescale.dtensor.dispatch import (
     python_dispatch,
     redistribute_for,
 )
-from vescale.dtensor.ops._layout import wrap_local
+from vescale.dtensor.dtensor import wrap_local
 from vescale.dtensor.placement_types import Placement, Replicate
 
 __all__ = ["replicate_only", "sharded_unique"]

@@ -28,12 +28,8 @@ from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale.dtensor.api import wait_local
 from vescale.dtensor.dispatch import bypass_dispatch, python_dispatch, redistribute_for
-from vescale.dtensor.ops._layout import (
-    contiguous_shards,
-    local_range,
-    sharding_mesh_dims,
-    wrap_local,
-)
+from vescale.dtensor.dtensor import wrap_local
+from vescale.dtensor.layout import contiguous_shards, local_range, sharding_mesh_dims
 from vescale.dtensor.placement_types import Partial, Placement, Replicate, Shard
 
 __all__ = ["vocab_parallel_embedding", "vocab_parallel_embedding_backward"]
@@ -99,7 +95,7 @@ def vocab_parallel_embedding(
         isinstance(weight, _UpstreamDTensor)
         and isinstance(indices, _UpstreamDTensor)
         and (_vocab_dims(_layout(weight)) or any(p.is_partial() for p in weight.placements))
-        and contiguous_shards(weight)
+        and contiguous_shards(weight.placements)
     ):
         return python_dispatch(op, args, kwargs)
     layout = _layout(weight)

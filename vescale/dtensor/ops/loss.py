@@ -18,12 +18,8 @@ from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale.dtensor.api import wait_local
 from vescale.dtensor.dispatch import bypass_dispatch, python_dispatch, redistribute_for
-from vescale.dtensor.ops._layout import (
-    contiguous_shards,
-    local_range,
-    sharding_mesh_dims,
-    wrap_local,
-)
+from vescale.dtensor.dtensor import wrap_local
+from vescale.dtensor.layout import contiguous_shards, local_range, sharding_mesh_dims
 from vescale.dtensor.placement_types import Partial, Placement, Replicate
 
 __all__ = [
@@ -201,7 +197,7 @@ def _nll_applies(x: object, target: object) -> bool:
         isinstance(x, _UpstreamDTensor)
         and isinstance(target, _UpstreamDTensor)
         and x.ndim in (1, 2)
-        and contiguous_shards(x)
+        and contiguous_shards(x.placements)
         and any(
             not p.is_replicate() and x.device_mesh.size(i) > 1 for i, p in enumerate(x.placements)
         )

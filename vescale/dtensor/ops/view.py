@@ -33,10 +33,9 @@ from vescale._torch_compat import (
     OpStrategy,
     StridedShard,
 )
-from vescale.dtensor.ops._layout import empty_shard_dims
+from vescale.dtensor.layout import empty_shard_dims, local_indices
 from vescale.dtensor.ops._registry import wrap_upstream_strategy
 from vescale.dtensor.placement_types import Placement, Replicate, Shard
-from vescale.dtensor.random import local_indices
 
 __all__ = ["RETRIED_VIEW_OPS"]
 
