@@ -63,3 +63,42 @@ def test_failed_capture_falls_back_to_eager_with_one_warning(monkeypatch):
     with pytest.raises(Exception, match=r"aten\.frobnicate"):
         g(x)
     torch._dynamo.reset()
+
+
+def test_passes_read_the_resolved_options_object():
+    """``capture_graphs`` hands out every compiled graph; its passes saw the one
+    ``BackendOptions`` the backend resolved (given values, else the field defaults)."""
+    from vescale.backend import BackendOptions, capture_graphs
+
+    torch._dynamo.reset()
+    given = {"codegen": "fx", "bucket_cap_mb": 3.0, "overlap": False}
+    with capture_graphs() as outer, capture_graphs() as graphs:
+        f = torch.compile(lambda t: torch.sin(t) * 2, backend="vescale", options=given)
+        f(torch.randn(4, requires_grad=True)).sum().backward()
+    torch._dynamo.reset()
+    assert [g.name.rsplit(".", 1)[1] for g in graphs] == ["forward", "backward"]
+    assert [g.name for g in outer] == [g.name for g in graphs]
+    for g in graphs:
+        assert g.ctx.options == BackendOptions.resolve(given)
+        assert g.ctx.options.eliminate is True and g.ctx.options.overlap_cap_mb == 256.0
+        assert "fingerprint" in g.ctx.reports and isinstance(g.gm, torch.fx.GraphModule)
+    with capture_graphs() as later:
+        pass
+    assert later == []
+
+
+def test_backend_options_defaults_and_docs_in_one_place():
+    """Every option is documented on its field; a bare ``PassContext`` and eager DDP use the
+    same defaults as the backend."""
+    import dataclasses
+    import inspect
+
+    from vescale.ddp import DistributedDataParallel
+    from vescale.passes import BackendOptions, PassContext
+
+    for f in dataclasses.fields(BackendOptions):
+        assert f.metadata["doc"].strip(), f.name
+        assert f.metadata["env"] is None or f.metadata["env"].startswith("VESCALE_"), f.name
+    assert PassContext("g").options == BackendOptions()
+    ddp_default = inspect.signature(DistributedDataParallel).parameters["bucket_cap_mb"].default
+    assert ddp_default == BackendOptions().bucket_cap_mb

@@ -3,22 +3,15 @@
 Pipeline per captured program: Dynamo graph -> AOTAutograd (forward and backward graphs of
 local aten ops and functional collectives, placements decided by the same eager strategies)
 -> vescale passes (``annotate``/verify, ``eliminate``, ``bucket``, ``schedule``,
-``fingerprint``) -> codegen (Inductor, or the FX graphs as they are). Options (``torch.compile(..., options={...})`` or env vars):
+``fingerprint``) -> codegen (Inductor, or the FX graphs as they are).
 
-* ``codegen``: ``"inductor"`` (default) or ``"fx"``.
-* ``eager`` / ``VESCALE_COMPILE_EAGER=1``: run the captured program through eager DTensor.
-* ``dump_dir`` / ``VESCALE_DUMP_DIR``: per rank, ``graph.<pass>.txt`` for every graph and
-  pass, ``schedule.json`` per graph, and ``collectives.json``.
-* ``explicit``: forbid (``True``) or allow (``False``) implicit redistribution while this
-  backend traces, overriding ``VESCALE_DISABLE_REDISTRIBUTE`` (default: the env var / scope).
-* ``eliminate`` (default on), ``bucket_cap_mb`` (default 25; 0 turns bucketing off),
-  ``overlap`` (default on) and ``overlap_cap_mb`` (default 256): the communication passes.
-* ``rank_check`` (default on): compare each graph's collective sequence across ranks at its
-  first run and raise instead of hanging when they differ.
-* ``strict``: raise instead of falling back on an unsupported construct. Without it, a
-  capture failure (e.g. an op with no sharding strategy for its placements) runs that graph
-  eagerly and a graph Inductor cannot compile runs as captured (FX), each with one warning
-  naming the graph and the error (op, placements and mesh for a missing strategy).
+Options (``torch.compile(..., options={...})``) are the fields of
+:class:`vescale.passes.options.BackendOptions`, each documented in its ``metadata["doc"]``;
+the passes read the same object (``PassContext.options``). Fallbacks without ``strict``: a
+capture failure (e.g. an op with no sharding strategy for its placements) runs that graph
+eagerly and a graph Inductor cannot compile runs as captured (FX), each with one warning
+naming the graph and the error (op, placements and mesh for a missing strategy).
+:func:`capture_graphs` hands out every graph compiled within it, after the passes.
 """
 
 from __future__ import annotations
@@ -26,12 +19,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
 import warnings
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -50,6 +42,8 @@ from vescale.fx.aliased_outputs import route_input_views
 from vescale.fx.collectives import user_source
 from vescale.fx.timeline import write_schedule_json
 from vescale.passes import (
+    PASSES_OFF,
+    BackendOptions,
     PassContext,
     PassManager,
     RankDivergenceError,
@@ -61,7 +55,14 @@ from vescale.passes import (
     schedule,
 )
 
-__all__ = ["PASSES_OFF", "BackendOptions", "register", "vescale_backend"]
+__all__ = [
+    "PASSES_OFF",
+    "BackendOptions",
+    "CompiledGraph",
+    "capture_graphs",
+    "register",
+    "vescale_backend",
+]
 
 BACKEND_NAME = "vescale"
 PIPELINE = PassManager(
@@ -74,41 +75,6 @@ PIPELINE = PassManager(
     ]
 )
 _graph_ids = itertools.count()
-DEFAULT_BUCKET_CAP_MB = 25.0
-# Backend options turning the communication passes off: the captured program as eager runs it.
-PASSES_OFF: dict[str, Any] = {"eliminate": False, "bucket_cap_mb": 0, "overlap": False}
-
-
-@dataclass(frozen=True)
-class BackendOptions:
-    """Options of the ``vescale`` backend (see module docstring)."""
-
-    codegen: str = "inductor"
-    eager: bool = False
-    dump_dir: str | None = None
-    explicit: bool | None = None
-    strict: bool = False
-    eliminate: bool = True
-    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
-    overlap: bool = True
-    overlap_cap_mb: float = 256.0
-    rank_check: bool = True
-
-    @classmethod
-    def resolve(cls, options: dict[str, Any] | None) -> BackendOptions:
-        options = dict(options or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(f"vescale backend: unknown options {unknown}; known: {sorted(known)}")
-        options.setdefault("eager", os.environ.get("VESCALE_COMPILE_EAGER", "0") == "1")
-        options.setdefault("dump_dir", os.environ.get("VESCALE_DUMP_DIR") or None)
-        out = cls(**options)
-        if out.codegen not in ("inductor", "fx"):
-            raise ValueError(
-                f"vescale backend: codegen must be 'inductor' or 'fx', got {out.codegen!r}"
-            )
-        return out
 
 
 def _rank_dir(dump_dir: str | None) -> Path | None:
@@ -132,19 +98,41 @@ def _append_collectives(folder: Path | None, records: list[Any]) -> None:
     path.write_text(json.dumps(existing + records, indent=1) + "\n")
 
 
-_sinks: list[list[tuple[str, torch.fx.GraphModule, PassContext]]] = []  # vescale.fx.trace
+class CompiledGraph(NamedTuple):
+    """One forward or backward graph the backend compiled: its name (``graph<i>.forward`` or
+    ``graph<i>.backward``), the graph after every pass, and the pass context (options,
+    reports, per-pass timings)."""
+
+    name: str
+    gm: torch.fx.GraphModule
+    ctx: PassContext
+
+
+_captures: list[list[CompiledGraph]] = []
+
+
+@contextlib.contextmanager
+def capture_graphs() -> Iterator[list[CompiledGraph]]:
+    """Within the block, every graph this backend compiles is appended, after its passes and
+    before codegen, to the yielded list (nested blocks each see every graph)."""
+    graphs: list[CompiledGraph] = []
+    _captures.append(graphs)
+    try:
+        yield graphs
+    finally:
+        _captures.remove(graphs)
 
 
 def _graph_compiler(opts: BackendOptions, name: str) -> Any:
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         folder = _rank_dir(opts.dump_dir)
-        ctx = PassContext(name, folder, options=asdict(opts))
+        ctx = PassContext(name, folder, options=opts)
         gm = PIPELINE.run(gm, ctx)
         if folder is not None:
             write_schedule_json(folder / name / "schedule.json", gm, name)
         _append_collectives(folder, ctx.reports.get("collectives", []))
-        for sink in _sinks:
-            sink.append((name, gm, ctx))
+        for graphs in _captures:
+            graphs.append(CompiledGraph(name, gm, ctx))
         compiled = _codegen(gm, example_inputs, opts, name)
         if not opts.rank_check:
             return compiled

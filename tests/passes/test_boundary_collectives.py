@@ -29,7 +29,7 @@ from vescale.backend import PIPELINE, vescale_backend
 from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR, inflight_inputs
 from vescale.fx.dump import graph_text
 from vescale.fx.timeline import timeline
-from vescale.passes import PassContext, annotate, bucket, eliminate, schedule
+from vescale.passes import BackendOptions, PassContext, annotate, bucket, eliminate, schedule
 from vescale.passes.annotate import verify_waits
 
 c10d = torch.ops._c10d_functional
@@ -45,7 +45,7 @@ def _traced(fn, *shapes):
 
 
 def _ctx(**options) -> PassContext:
-    return PassContext("g", options={"overlap": True, "bucket_cap_mb": 25, **options})
+    return PassContext("g", options=BackendOptions(**{"eliminate": False, **options}))
 
 
 def _order(gm) -> list[str]:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale.ddp.reducer import Reducer
+from vescale.ddp.reducer import DEFAULT_BUCKET_CAP_MB, Reducer
 from vescale.dtensor.api import redistribute_dtensor
 from vescale.dtensor.redistribute import flattened_mesh
 
@@ -38,7 +38,7 @@ class DistributedDataParallel(nn.Module):
     parameters are this wrapper's parameters (``ddp.parameters()`` feeds the optimizer).
     """
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0) -> None:
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:
         super().__init__()
         self.module = module
         self._synced = [

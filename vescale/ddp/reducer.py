@@ -24,7 +24,10 @@ from torch.distributed.tensor import DTensor as _UpstreamDTensor
 from vescale.dtensor.api import from_local, redistribute_dtensor, wait_local
 from vescale.dtensor.redistribute import flattened_mesh
 
-__all__ = ["Reducer"]
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "Reducer"]
+
+# torch DDP's bucket size; also the default of the compiled ``bucket`` pass (BackendOptions).
+DEFAULT_BUCKET_CAP_MB = 25.0
 
 
 @dataclass

@@ -39,11 +39,9 @@ def trace(
     world sizes can be traced on one machine. ``fn`` must compile into one graph.
     ``options`` are backend options (e.g. ``bucket_cap_mb``, ``overlap``); the graphs are
     returned after all passes."""
-    from vescale import backend
+    from vescale.backend import capture_graphs
 
-    sink: list[tuple[str, torch.fx.GraphModule, Any]] = []
-    backend._sinks.append(sink)
-    try:
+    with capture_graphs() as sink:
         torch._dynamo.reset()
         opts = {"codegen": "fx", "strict": True, **(options or {})}
         compiled = torch.compile(fn, backend="vescale", options=opts)
@@ -55,8 +53,6 @@ def trace(
         ]
         if backward and leaves:  # d(sum of all outputs): ones for every output, any layout
             torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
-    finally:
-        backend._sinks.remove(sink)
     graphs = {name.rsplit(".", 1)[1]: (gm, ctx) for name, gm, ctx in sink}
     if len(sink) != len(graphs) or "forward" not in graphs:
         raise RuntimeError(

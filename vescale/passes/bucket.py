@@ -115,8 +115,8 @@ def select_buckets(gm: torch.fx.GraphModule, cap_bytes: int) -> list[list[torch.
 
 
 def bucket(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    """Merge collectives into buckets of at most ``ctx.options["bucket_cap_mb"]`` MiB."""
-    cap_mb = float(ctx.options.get("bucket_cap_mb", 0))
+    """Merge collectives into buckets of at most ``ctx.options.bucket_cap_mb`` MiB (0: off)."""
+    cap_mb = float(ctx.options.bucket_cap_mb)
     buckets = select_buckets(gm, int(cap_mb * 2**20)) if cap_mb > 0 else []
     merge = bucket_merge_fns()
     ids = itertools.count()

@@ -5,7 +5,7 @@
   vocabulary-parallel loss's max all-reduce), kept alive only because a collective is
   impure. Eager never issues them; every rank compiles the same graph, so every rank drops
   the same ones.
-* With ``ctx.options["eliminate"]``: an all-gather whose result is only sliced back to this
+* With ``ctx.options.eliminate``: an all-gather whose result is only sliced back to this
   rank's own chunk (dim 0, the gathered dim: ``slice``/``narrow`` or ``split`` + ``getitem``)
   is the identity on that chunk: the slice is replaced by the all-gather's input (a
   redistribute ``S -> R -> S``), and the all-gather then goes as unused.
@@ -60,8 +60,8 @@ def _own_chunk(user: torch.fx.Node, rank: int, rows: int) -> torch.fx.Node | Non
 
 
 def eliminate(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    """Remove unused collectives; with ``ctx.options["eliminate"]`` also undone all-gathers."""
-    if ctx.options.get("eliminate", False):
+    """Remove unused collectives; with ``ctx.options.eliminate`` also undone all-gathers."""
+    if ctx.options.eliminate:
         _forward_own_chunks(gm)
     removed, changed = 0, True
     while changed:  # a dead chain may feed one collective into another

@@ -12,17 +12,19 @@ import torch
 
 from vescale.fx.collectives import attach_records
 from vescale.fx.dump import graph_text
+from vescale.passes.options import BackendOptions
 
 __all__ = ["Pass", "PassContext", "PassManager"]
 
 
 @dataclass
 class PassContext:
-    """What a pass may read and report into: the graph's name, where dumps go, reports."""
+    """What a pass may read and report into: the graph's name, where dumps go, the backend's
+    options (their defaults when not given), reports."""
 
     graph_name: str
     dump_dir: Path | None = None
-    options: dict[str, Any] = field(default_factory=dict)
+    options: BackendOptions = field(default_factory=BackendOptions)
     reports: dict[str, Any] = field(default_factory=dict)
     timings_ms: dict[str, float] = field(default_factory=dict)
 

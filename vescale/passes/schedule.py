@@ -13,7 +13,7 @@ the same decisions):
   whose result the graph returns unwaited is issued like any other and stays unwaited;
 * other nodes keep their relative graph order;
 * memory cap: before issuing a collective whose output would raise the bytes of issued but
-  not yet waited results above ``overlap_cap_mb``, the oldest in-flight results are waited.
+  not yet waited results above ``ctx.options.overlap_cap_mb``, the oldest in-flight results are waited.
 
 ``ctx.reports["overlap"]`` holds how many nodes each collective now overlaps,
 ``ctx.reports["overlap_inputs"]`` how many nodes run before each in-flight input is waited.
@@ -134,10 +134,10 @@ def schedule_order(gm: torch.fx.GraphModule, cap_bytes: int) -> list[torch.fx.No
 
 
 def schedule(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    """Reorder ``gm`` for overlap (no-op unless ``ctx.options["overlap"]``)."""
-    if not ctx.options.get("overlap", False):
+    """Reorder ``gm`` for overlap (no-op unless ``ctx.options.overlap``)."""
+    if not ctx.options.overlap:
         return gm
-    cap = int(float(ctx.options.get("overlap_cap_mb", 256)) * 2**20)
+    cap = int(float(ctx.options.overlap_cap_mb) * 2**20)
     order = schedule_order(gm, cap)
     for before, after in itertools.pairwise(order):
         before.append(after)
