@@ -20,6 +20,7 @@ exact, bounded by the size of that single tensor. No communication happens.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import fnmatch
 import functools
@@ -69,6 +70,7 @@ _LOCAL_INPLACE = {
     "erfinv_", "neg_", "abs_", "sqrt_", "copy_",
 }  # fmt: skip
 _IDENTITY_VIEWS = (aten.detach.default, aten.alias.default)
+View = tuple[tuple[OpOverload, tuple[Any, ...]], ...]  # a view chain: (op, args after self)
 
 
 @dataclass
@@ -77,18 +79,174 @@ class _Ref:
 
     record: _Record
     version: int
-    view: tuple[tuple[OpOverload, tuple[Any, ...]], ...]
+    view: View
 
 
-@dataclass
-class _Step:
-    kind: str  # "fill" | "factory" | "derived" | "inplace" | "random"
-    func: Any = None
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    view: tuple[tuple[OpOverload, tuple[Any, ...]], ...] = ()
-    value: Any = None  # fill value; output index of a derived multi-output op
-    rng: tuple[RandomOp, torch.Generator, torch.Tensor] | None = None
+class _Step(abc.ABC):
+    """One recorded step of a storage: its creation (the first step) or an in-place op.
+
+    ``full`` replays it on the whole tensor ``t`` and returns the tensor after it;
+    ``local_ok`` says whether ``local`` gives this rank's shard of that bit for bit from
+    the shard alone; ``local`` replays it on the shard ``local`` at global ``indices``.
+    """
+
+    @abc.abstractmethod
+    def full(self, t: torch.Tensor, record: _Record) -> torch.Tensor: ...
+
+    def local_ok(self, record: _Record) -> bool:
+        return False
+
+    def local(self, local: torch.Tensor, record: _Record, indices: Indices) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} is replayed in full only")
+
+
+@dataclass(eq=False)
+class _Fill(_Step):
+    """Creation by ``empty``/``zeros``/``ones``/``full`` (and ``*_like``, ``new_*``):
+    uninitialized when ``value`` is None, else filled with it."""
+
+    value: Any = None
+
+    def full(self, t: torch.Tensor, record: _Record) -> torch.Tensor:
+        out = torch.empty_strided(
+            record.shape, record.stride, dtype=record.dtype, device=record.device
+        )
+        return out if self.value is None else out.fill_(self.value)
+
+    def local_ok(self, record: _Record) -> bool:
+        return True
+
+    def local(self, local: torch.Tensor, record: _Record, indices: Indices) -> torch.Tensor:
+        shape = [ix.numel() for ix in indices]
+        out = torch.empty(shape, dtype=record.dtype, device=record.device)
+        return out if self.value is None else out.fill_(self.value)
+
+
+@dataclass(eq=False)
+class _OpStep(_Step):
+    """A step that runs a recorded op ``func(*args, **kwargs)`` (deferred operands as ``_Ref``)."""
+
+    func: OpOverload
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    def run(self, bind: Callable[[Any], Any] | None = None) -> Any:
+        """The op on its recorded operands, each passed through ``bind`` (default: deferred
+        operands replayed in full)."""
+        bind = bind or _resolve
+        return self.func(*tree_map(bind, self.args), **tree_map(bind, self.kwargs))
+
+
+@dataclass(eq=False)
+class _Factory(_OpStep):
+    """Creation by another factory (``arange``, ...): made in full, then sliced."""
+
+    def full(self, t: torch.Tensor, record: _Record) -> torch.Tensor:
+        return self.run()  # type: ignore[no-any-return]
+
+    def local_ok(self, record: _Record) -> bool:
+        return True
+
+    def local(self, local: torch.Tensor, record: _Record, indices: Indices) -> torch.Tensor:
+        return take_local(self.run(), indices)
+
+
+@dataclass(eq=False)
+class _Derived(_OpStep):
+    """Creation as an op's output (number ``index`` of a multi-output op) from other
+    deferred tensors: replayed in full only."""
+
+    index: int | None = None
+
+    def full(self, t: torch.Tensor, record: _Record) -> torch.Tensor:
+        out = self.run()
+        return out if self.index is None else out[self.index]  # type: ignore[no-any-return]
+
+
+@dataclass(eq=False)
+class _InPlace(_OpStep):
+    """A deterministic in-place op on the tensor (through ``view``). On the shard alone for
+    the element-wise ops of ``_LOCAL_INPLACE`` with no deferred operand, through a
+    ``select``/``slice`` view only with scalar operands."""
+
+    view: View = ()
+
+    def full(self, t: torch.Tensor, record: _Record) -> torch.Tensor:
+        self.run(functools.partial(_bind, record=record, target=_apply_view(t, self.view)))
+        return t
+
+    def local_ok(self, record: _Record) -> bool:
+        if self.func.overloadpacket.__name__ not in _LOCAL_INPLACE:
+            return False
+        rest = [*self.args[1:], *self.kwargs.values()]
+        if any(isinstance(a, _Ref) for a in rest):
+            return False
+        tensors = [a for a in rest if isinstance(a, torch.Tensor) and a.dim() > 0]
+        return not (self.view and (_view_positions(self.view, record.shape) is None or tensors))
+
+    def local(self, local: torch.Tensor, record: _Record, indices: Indices) -> torch.Tensor:
+        if self.view:
+            pos = _view_positions(self.view, record.shape)
+            assert pos is not None
+            mine = tuple(torch.isin(ix, p).nonzero().flatten() for ix, p in zip(indices, pos))
+            sel = torch.meshgrid(*mine, indexing="ij") if mine else ()
+            sub = local[sel].contiguous()
+            self.func(sub, *self.args[1:], **self.kwargs)
+            local[sel] = sub
+        else:
+            args = tuple(_local_arg(a, record.shape, indices) for a in self.args[1:])
+            kwargs = {k: _local_arg(v, record.shape, indices) for k, v in self.kwargs.items()}
+            self.func(local, *args, **kwargs)
+        return local
+
+
+@dataclass(eq=False)
+class _SeededInPlace(_InPlace):
+    """Another in-place random op, from its recorded generator state: replayed in full only."""
+
+    gen: torch.Generator = field(kw_only=True)
+    state: torch.Tensor = field(kw_only=True)
+
+    def full(self, t: torch.Tensor, record: _Record) -> torch.Tensor:
+        with _rng_at(self.gen, self.state):
+            return super().full(t, record)
+
+    def local_ok(self, record: _Record) -> bool:
+        return False
+
+
+@dataclass(eq=False)
+class _Random(_Step):
+    """A modelled random op (``uniform_``/``normal_``/``bernoulli_``, see
+    :mod:`vescale.dtensor.random`) from its recorded generator state; on the shard alone
+    unless through a view."""
+
+    rop: RandomOp
+    gen: torch.Generator
+    state: torch.Tensor
+    view: View = ()
+
+    def full(self, t: torch.Tensor, record: _Record) -> torch.Tensor:
+        target = _apply_view(t, self.view)
+        with _rng_at(self.gen, self.state):
+            self.rop.apply(target, self.gen)
+        return t
+
+    def local_ok(self, record: _Record) -> bool:
+        return not self.view
+
+    def local(self, local: torch.Tensor, record: _Record, indices: Indices) -> torch.Tensor:
+        with _rng_at(self.gen, self.state):
+            run_random(
+                self.rop,
+                record.shape,
+                record.dtype,
+                record.device,
+                indices,
+                stride=record.stride,
+                out=local,
+            )
+        return local
 
 
 @dataclass(eq=False)
@@ -107,14 +265,14 @@ class _DeferredTensor(torch.Tensor):
     """A tensor without storage: its record (shared by aliases) and view chain."""
 
     _record: _Record
-    _view: tuple[tuple[OpOverload, tuple[Any, ...]], ...]
+    _view: View
 
     @staticmethod
     def __new__(
         cls,
         meta: torch.Tensor,
         record: _Record,
-        view: tuple[tuple[OpOverload, tuple[Any, ...]], ...],
+        view: View,
         requires_grad: bool = False,
     ) -> _DeferredTensor:
         t = torch.Tensor._make_wrapper_subclass(
@@ -231,10 +389,10 @@ def _handle(
         if all(a is src for a in deferred):
             return _DeferredTensor(meta_out, src._record, (*src._view, (func, rest)))
     if isinstance(meta_out, torch.Tensor):
-        return _new(meta_out, src.device, _Step("derived", func, _refs(args), _refs(kwargs)))
+        return _new(meta_out, src.device, _Derived(func, _refs(args), _refs(kwargs)))
     if isinstance(meta_out, list | tuple) and all(isinstance(o, torch.Tensor) for o in meta_out):
         return type(meta_out)(
-            _new(o, src.device, _Step("derived", func, _refs(args), _refs(kwargs), value=i))
+            _new(o, src.device, _Derived(func, _refs(args), _refs(kwargs), i))
             for i, o in enumerate(meta_out)
         )
     return func(*tree_map(_full_value, args), **tree_map(_full_value, kwargs))
@@ -275,7 +433,7 @@ def _create(
 ) -> _DeferredTensor:
     name = func.overloadpacket.__name__
     if func in _RANDOM_FACTORIES:
-        t = _new(meta, device, _Step("fill"))
+        t = _new(meta, device, _Fill())
         op, op_args = _RANDOM_FACTORIES[func]
         _record_inplace(op, (t, *op_args), {"generator": kwargs.get("generator")}, t)
         return t
@@ -286,31 +444,31 @@ def _create(
             names = [a.name for a in func._schema.arguments]
             at = names.index("fill_value")
             value = args[at] if at < len(args) else kwargs["fill_value"]
-        return _new(meta, device, _Step("fill", value=value))
+        return _new(meta, device, _Fill(value))
     if "device" in kwargs:  # replay where the record runs
         kwargs = {**kwargs, "device": _replay_device(device)}
-    return _new(meta, device, _Step("factory", func, args, kwargs))
+    return _new(meta, device, _Factory(func, args, kwargs))
 
 
 def _record_inplace(
     func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], target: _DeferredTensor
 ) -> _DeferredTensor:
     record = target._record
+    step: _Step
     if func in RANDOM_OPS:
         rop, gen, state = _snapshot(random_op_of(func, args, kwargs), record.device)
-        step = _Step("random", view=target._view, rng=(rop, gen, state))
+        step = _Random(rop, gen, state, target._view)
         run_random(rop, target.shape, target.dtype, record.device, None, stride=target.stride())
     elif torch.Tag.nondeterministic_seeded in func.tags:
         gen = kwargs.get("generator") or default_generator(record.device)
-        rop = RandomOp(func, (), gen)
-        step = _Step(
-            "random", func, _refs(args), _refs(kwargs), target._view, (rop, gen, gen.get_state())
+        step = _SeededInPlace(
+            func, _refs(args), _refs(kwargs), target._view, gen=gen, state=gen.get_state()
         )
         eager = _apply_view(_full(record, len(record.steps)), target._view)
         real = lambda x: eager if x is target else _full_value(x)  # noqa: E731
         func(*tree_map(real, args), **tree_map(real, kwargs))  # advances the generator as eager
     else:
-        step = _Step("inplace", func, _refs(args), _refs(kwargs), target._view)
+        step = _InPlace(func, _refs(args), _refs(kwargs), target._view)
     record.steps.append(step)
     return target
 
@@ -346,31 +504,7 @@ def _full(record: _Record, upto: int) -> torch.Tensor:
     """Replay the first ``upto`` steps of ``record`` on a full tensor."""
     t = torch.empty(0)
     for step in record.steps[:upto]:
-        if step.kind == "fill":
-            t = torch.empty_strided(
-                record.shape, record.stride, dtype=record.dtype, device=record.device
-            )
-            if step.value is not None:
-                t.fill_(step.value)
-        elif step.kind in ("factory", "derived"):
-            args, kwargs = tree_map(_resolve, step.args), tree_map(_resolve, step.kwargs)
-            out = step.func(*args, **kwargs)
-            t = out[step.value] if step.kind == "derived" and step.value is not None else out
-        else:
-            target = _apply_view(t, step.view)
-            if step.func is None:  # a modelled random op
-                assert step.rng is not None
-                rop, gen, state = step.rng
-                with _rng_at(gen, state):
-                    rop.apply(target, gen)
-                continue
-            sub = functools.partial(_bind, record=record, target=target)
-            args, kwargs = tree_map(sub, step.args), tree_map(sub, step.kwargs)
-            if step.rng is not None:
-                with _rng_at(step.rng[1], step.rng[2]):
-                    step.func(*args, **kwargs)
-            else:
-                step.func(*args, **kwargs)
+        t = step.full(t, record)
     return t
 
 
@@ -405,25 +539,8 @@ def _view_positions(
 
 
 def _local_ok(record: _Record) -> bool:
-    for i, step in enumerate(record.steps):
-        if i == 0:
-            if step.kind not in ("fill", "factory"):
-                return False
-        elif step.kind == "random":
-            if step.func is not None or step.view:
-                return False
-        elif step.kind == "inplace":
-            if step.func.overloadpacket.__name__ not in _LOCAL_INPLACE:
-                return False
-            rest = [*step.args[1:], *step.kwargs.values()]
-            if any(isinstance(a, _Ref) for a in rest):
-                return False
-            tensors = [a for a in rest if isinstance(a, torch.Tensor) and a.dim() > 0]
-            if step.view and (_view_positions(step.view, record.shape) is None or tensors):
-                return False
-        else:
-            return False
-    return True
+    """Whether every step of ``record`` replays on a shard alone."""
+    return all(step.local_ok(record) for step in record.steps)
 
 
 def _local_value(record: _Record, indices: Indices) -> torch.Tensor:
@@ -431,40 +548,9 @@ def _local_value(record: _Record, indices: Indices) -> torch.Tensor:
     else replayed in full (this tensor only) and sliced."""
     if not _local_ok(record):
         return take_local(_full(record, len(record.steps)), indices)
-    local_shape = [ix.numel() for ix in indices]
     local = torch.empty(0)
     for step in record.steps:
-        if step.kind == "fill":
-            local = torch.empty(local_shape, dtype=record.dtype, device=record.device)
-            if step.value is not None:
-                local.fill_(step.value)
-        elif step.kind == "factory":
-            local = take_local(step.func(*step.args, **step.kwargs), indices)
-        elif step.kind == "random":
-            assert step.rng is not None
-            rop, gen, state = step.rng
-            with _rng_at(gen, state):
-                run_random(
-                    rop,
-                    record.shape,
-                    record.dtype,
-                    record.device,
-                    indices,
-                    stride=record.stride,
-                    out=local,
-                )
-        elif step.view:
-            pos = _view_positions(step.view, record.shape)
-            assert pos is not None
-            mine = tuple(torch.isin(ix, p).nonzero().flatten() for ix, p in zip(indices, pos))
-            sel = torch.meshgrid(*mine, indexing="ij") if mine else ()
-            sub = local[sel].contiguous()
-            step.func(sub, *step.args[1:], **step.kwargs)
-            local[sel] = sub
-        else:
-            args = tuple(_local_arg(a, record.shape, indices) for a in step.args[1:])
-            kwargs = {k: _local_arg(v, record.shape, indices) for k, v in step.kwargs.items()}
-            step.func(local, *args, **kwargs)
+        local = step.local(local, record, indices)
     return local
 
 
