@@ -483,10 +483,10 @@ def observe_redistribution(
     """Upstream's observer of implicit redistributions, plus explicit mode for vescale DTensors."""
     if (
         type(src_spec) is VescaleSpec
+        and redistribute_cost(src_spec, dst_spec) > 0  # first: cheap for local slices
         and explicit_redistribute_enabled()
         and torch._C._current_graph_task_id() == -1  # not inside backward: see module docstring
         and not _dynamo_propagating()
-        and redistribute_cost(src_spec, dst_spec) > 0
     ):
         op = _op_of(redistribution_msg)
         raise ImplicitRedistributionError(
@@ -533,18 +533,19 @@ def redistribute_for_dispatch(
     planner; everything else, and every step to or from a private partial placement such
     as upstream's ``_MaskPartial`` (whose reduction masks and offsets an index), is
     upstream's."""
-    if (
-        type(src) is VescaleSpec
-        and any(
-            (d.is_partial() and s != d)
-            or isinstance(s, StridedShard)
-            or isinstance(d, StridedShard)
-            for s, d in zip(src.placements, dst.placements)
-        )
-        and not any(is_private_partial(p) for p in (*src.placements, *dst.placements))
-    ):
+    if type(src) is VescaleSpec and _vescale_plans(src.placements, dst.placements):
         return redistribute_local_tensor(local, src, dst, async_op=kwargs.get("async_op", False))
     return _upstream_dispatch_redistribute(local, src, dst, **kwargs)  # type: ignore[no-any-return]
+
+
+@functools.lru_cache(maxsize=1024)
+def _vescale_plans(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> bool:
+    """Whether vescale's planner takes ``src -> dst`` (see ``redistribute_for_dispatch``);
+    cached: placements are hashable and the answer depends on them alone."""
+    return any(
+        (d.is_partial() and s != d) or isinstance(s, StridedShard) or isinstance(d, StridedShard)
+        for s, d in zip(src, dst)
+    ) and not any(is_private_partial(p) for p in (*src, *dst))
 
 
 _upstream_dispatch_redistribute = upstream_dispatch_module.redistribute_local_tensor
