@@ -62,6 +62,13 @@ def sharding_mesh_dims(mesh: Any, placements: Sequence[Placement], dim: int) -> 
     return [i for i, p in enumerate(placements) if p.is_shard(dim) and mesh.size(i) > 1]
 
 
+def _coordinate(mesh: Any, coordinate: Sequence[int] | None, what: str) -> list[int]:
+    coord = coordinate if coordinate is not None else mesh.get_coordinate()
+    if coord is None:
+        raise ValueError(f"{what}: this rank is not part of {mesh}")
+    return list(coord)
+
+
 def local_range(
     shape: Sequence[int],
     mesh: Any,
@@ -74,7 +81,7 @@ def local_range(
 
     Plain integers from the mesh coordinate (upstream's offset helper goes through a
     coordinate tensor, which Dynamo cannot trace without a graph break)."""
-    coord = list(coordinate) if coordinate is not None else mesh.get_coordinate()
+    coord = _coordinate(mesh, coordinate, "local_range")
     start, size = 0, int(shape[dim])
     for mesh_dim, p in enumerate(placements):
         if p.is_shard(dim):
@@ -97,9 +104,7 @@ def local_indices(
     interleaved shard with factor ``k`` views them as ``(k, N // k)`` and keeps chunk ``c``
     of the second factor. ``Replicate``/``Partial`` keep everything.
     """
-    coord = list(coordinate) if coordinate is not None else mesh.get_coordinate()
-    if coord is None:
-        raise ValueError(f"local_indices: this rank is not part of {mesh}")
+    coord = _coordinate(mesh, coordinate, "local_indices")
     idx = [torch.arange(s) for s in shape]
     for mesh_dim, p in enumerate(placements):
         if not isinstance(p, Shard | StridedShard):
