@@ -13,6 +13,7 @@ import torch
 from vescale.plan.cost import CommStep
 from vescale.plan.program import PlacedProgram
 from vescale.plan.propagate import Placements
+from vescale.plan.solve import Solution
 
 __all__ = ["Explanation", "Redistribution", "explain"]
 
@@ -51,6 +52,7 @@ class Explanation:
     redistributions: list[Redistribution]
     timings_s: dict[str, float]
     measured: dict[str, Any] = field(default_factory=dict)
+    solution: Solution | None = None
 
     @property
     def bytes_by_dim_and_kind(self) -> Counter[tuple[int, str]]:
@@ -77,6 +79,7 @@ class Explanation:
         lines = [
             f"solver: {self.solver}; propagate {self.timings_s.get('propagate', 0):.2f} s, "
             f"solve {self.timings_s.get('solve', 0):.2f} s",
+            *self._solution_lines(),
             "alpha (us) / beta (ns/B) per mesh dim: "
             + ", ".join(f"{a * 1e6:.1f} / {b * 1e9:.3f}" for a, b in zip(ab.alpha, ab.beta)),
             f"collectives per step: {self.collective_count}, bytes per step: {self.total_bytes}, "
@@ -92,6 +95,20 @@ class Explanation:
         for k, v in self.measured.items():
             lines.append(f"measured {k}: {v}")
         return "\n".join(lines)
+
+    def _solution_lines(self) -> list[str]:
+        sol = self.solution
+        if sol is None:
+            return []
+        line = f"{sol.status}: estimated step {sol.objective_us:.1f} us"
+        if sol.gap is not None:
+            gap_us = sol.objective_us - (sol.bound_us or 0.0)
+            line += f" (lower bound {sol.bound_us:.1f} us, gap {gap_us:.1f} us = {sol.gap:.2%})"
+        if sol.greedy_us is not None:
+            line += f"; greedy {sol.greedy_us:.1f} us"
+        if sol.pairs[1]:
+            line += f"; {sol.pairs[0]} of {sol.pairs[1]} edge pairs within greedy's cost"
+        return [line]
 
     def markdown(self) -> str:
         lines = ["# placements", "", self.summary(), "", "## redistributions", ""]
@@ -192,5 +209,10 @@ def explain(program: PlacedProgram, max_alternatives: int = 3) -> Explanation:
         label = op if ns.source == "registry" else f"{op} [{ns.source}]"
         nodes.append((node.name, label, chosen, others[:max_alternatives]))
     return Explanation(
-        program.solver, program.alpha_beta, nodes, redistributions, dict(program.timings_s)
+        program.solver,
+        program.alpha_beta,
+        nodes,
+        redistributions,
+        dict(program.timings_s),
+        solution=program.solution,
     )

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
@@ -18,7 +19,7 @@ from vescale.plan.capture import JointGraph
 from vescale.plan.cost import AlphaBeta, CommStep, local_bytes, redistribution_steps
 from vescale.plan.handlers import handler_strategies
 from vescale.plan.propagate import NodeStrategies, Placements, Value, propagate, value_of
-from vescale.plan.solve import Demand, Problem, solve_global, solve_greedy
+from vescale.plan.solve import Demand, Problem, Solution, solve_global, solve_greedy
 
 __all__ = ["PlacedProgram", "place"]
 
@@ -26,7 +27,8 @@ __all__ = ["PlacedProgram", "place"]
 @dataclass
 class PlacedProgram:
     """The joint graph with ``chosen[node]`` (an index into ``table[node]``'s strategies) and
-    the placements each output must arrive in (``output_placements``, one per output leaf)."""
+    the placements each output must arrive in (``output_placements``, one per output leaf);
+    ``solution``: how the choice was found (objective, lower bound, greedy's cost)."""
 
     joint: JointGraph
     mesh: DeviceMesh
@@ -36,6 +38,7 @@ class PlacedProgram:
     alpha_beta: AlphaBeta
     solver: str
     timings_s: dict[str, float] = field(default_factory=dict)
+    solution: Solution | None = None
 
     def placements(self, value: Value) -> Placements:
         node, k = value
@@ -94,15 +97,41 @@ def place(
     dp_dims = _data_parallel_dims(joint, fixed, mesh)
     activations = _derived_from_inputs(joint)
 
-    @functools.cache
     def cost(value: Value, a: Placements, b: Placements) -> float | None:
-        steps = _steps(mesh, value, a, b)
+        t = _val(value)
+        return shape_cost(tuple(t.shape), t.element_size(), value[0] in activations, a, b)
+
+    ids: dict[Placements, int] = {}
+    by_id: list[Placements] = []
+
+    def intern(p: Placements) -> int:
+        if p not in ids:
+            ids[p] = len(by_id)
+            by_id.append(p)
+        return ids[p]
+
+    def pair_costs(value: Value, srcs: list[Placements], dsts: list[Placements]) -> np.ndarray:
+        t = _val(value)
+        key = (tuple(t.shape), t.element_size(), value[0] in activations)
+        ia, ib = [intern(a) for a in srcs], [intern(b) for b in dsts]
+        return np.array([[id_cost(key, i, j) for j in ib] for i in ia], dtype=float).reshape(
+            len(ia), len(ib)
+        )
+
+    @functools.cache
+    def id_cost(key: tuple[tuple[int, ...], int, bool], i: int, j: int) -> float:
+        c = shape_cost(*key, by_id[i], by_id[j])
+        return float("inf") if c is None else c
+
+    @functools.cache  # values of one shape share their prices
+    def shape_cost(
+        shape: tuple[int, ...], itemsize: int, activation: bool, a: Placements, b: Placements
+    ) -> float | None:
+        steps = redistribution_steps(a, b, shape, itemsize, tuple(mesh.shape))
         if steps is None:
             return None
         penalty = 0.0
-        if value[0] in activations and any(
-            s.mesh_dim in dp_dims and s.kind == "all_gather" for s in steps
-        ):
+        if activation and any(s.mesh_dim in dp_dims and s.kind == "all_gather" for s in steps):
             penalty = DP_GATHER_PENALTY_US  # data-parallel work stays split (_data_parallel_dims)
         return penalty + sum(alpha_beta.time(s) for s in steps) * 1e6
 
@@ -121,10 +150,12 @@ def place(
         inside = ns.internal[s] if ns.internal else ()
         return (alpha_beta.gamma * held + sum(alpha_beta.time(c) for c in inside)) * 1e6
 
-    problem = Problem(table, demands, cost, compute)
-    chosen = _solve_once(problem, solver, mesh)
+    problem = Problem(table, demands, cost, compute, pair_costs)
+    solution = _solve_once(problem, solver, mesh)
     timings = {"propagate": propagated - start, "solve": time.perf_counter() - propagated}
-    return PlacedProgram(joint, mesh, table, chosen, demands, alpha_beta, solver, timings)
+    return PlacedProgram(
+        joint, mesh, table, solution.chosen, demands, alpha_beta, solver, timings, solution
+    )
 
 
 DP_GATHER_PENALTY_US = 1e6  # 1 s: taken only where no strategy keeps the batch split
@@ -157,8 +188,8 @@ def _derived_from_inputs(joint: JointGraph) -> set[torch.fx.Node]:
     return out
 
 
-def _solve_once(problem: Problem, solver: str, mesh: DeviceMesh) -> dict[torch.fx.Node, int]:
-    """Solve on the first rank and broadcast the choice when the mesh spans the whole world
+def _solve_once(problem: Problem, solver: str, mesh: DeviceMesh) -> Solution:
+    """Solve on the first rank and broadcast the solution when the mesh spans the whole world
     (every rank then holds the same choice by construction); otherwise every rank solves the
     same problem, deterministically."""
     solve = solve_global if solver == "global" else solve_greedy
@@ -173,10 +204,13 @@ def _solve_once(problem: Problem, solver: str, mesh: DeviceMesh) -> dict[torch.f
     nodes = list(problem.table)
     box: list[Any] = [None]
     if dist.get_rank() == 0:
-        chosen = solve(problem)
-        box = [[chosen[n] for n in nodes]]
+        solution = solve(problem)
+        solution.chosen = [solution.chosen[n] for n in nodes]  # type: ignore[assignment]
+        box = [solution]
     dist.broadcast_object_list(box, src=0)
-    return dict(zip(nodes, box[0]))
+    solution = box[0]
+    solution.chosen = dict(zip(nodes, solution.chosen))
+    return solution  # type: ignore[no-any-return]
 
 
 def _demands(

@@ -1,32 +1,43 @@
 """Choose one strategy per node: globally (an integer program over the whole joint graph) or
 greedily (each node in order, cheapest given its producers' choices, as eager dispatch does).
 
-The integer program (solved exactly by HiGHS through ``scipy.optimize.milp``; its LP
-relaxation first, which on the graphs measured so far is already integral and ~10x faster,
-then branch and bound only if it is not): a binary
-``x[n, s]`` per node and strategy, one per node; per edge (producer value -> consumer input)
-a variable ``y[a, b]`` per pair of producer placements ``a`` and required placements ``b``
-with cost ``c(a -> b)``, tied to both ends by ``sum_b y[a, b] = sum_{s: out(s)=a} x[p, s]``
-and ``sum_a y[a, b] = sum_{t: in(t)=b} x[c, t]``. Minimizing ``sum c y + sum w x`` (``w``: the
-strategy's estimated compute) is the estimated time of forward and backward. Plan placements are the only strategy of their
-placeholders (hard); a gradient output must arrive in its parameter's placements. Ties go to
-the earlier strategy (a cost of ``1e-9`` x its index in the registry's order), so every rank,
-solving the same problem, makes the same choice.
+The integer program (solved by HiGHS through ``scipy.optimize.milp``; its LP relaxation first,
+which on the graphs measured so far is already integral, then branch and bound only if it is
+not): a binary ``x[n, s]`` per node and strategy, one per node; per edge (producer value ->
+consumer input) a variable ``y[a, b]`` per pair of producer placements ``a`` and required
+placements ``b`` with cost ``c(a -> b)``, tied to both ends by
+``sum_b y[a, b] = sum_{s: out(s)=a} x[p, s]`` and ``sum_a y[a, b] = sum_{t: in(t)=b} x[c, t]``.
+Minimizing ``sum c y + sum w x`` (``w``: the strategy's estimated compute) is the estimated
+time of forward and backward. Plan placements are the only strategy of their placeholders
+(hard); a gradient output must arrive in its parameter's placements. Ties go to the earlier
+strategy (a cost of ``1e-9`` x its index in the registry's order), so every rank, solving the
+same problem, makes the same choice.
+
+Size: the greedy choice is solved first; its total cost ``U`` bounds the optimum, so a pair
+costing more than ``U`` alone (all costs are non-negative) is in no optimal solution and is
+left out: exact, and it drops most pairs of 4-D attention tensors (~36 placements each),
+e.g. every gather of the batch over a data-parallel mesh dim. A time limit (``TIME_LIMIT_S``)
+bounds HiGHS; when it stops early the best solution found is used if it beats greedy, with
+its gap to HiGHS' lower bound reported in :class:`Solution` (else greedy, said so).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from vescale.plan.propagate import NodeStrategies, Placements, Value
 
-__all__ = ["Demand", "Problem", "solve_global", "solve_greedy"]
+__all__ = ["Demand", "Problem", "Solution", "objective", "solve_global", "solve_greedy"]
 
 TIE = 1e-9  # us per strategy index
+TIME_LIMIT_S = 120.0
+GAP = 1e-4  # column generation stops when its choice is proven within this of the optimum
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,39 @@ class Problem:
     demands: list[Demand]
     cost: Callable[[Value, Placements, Placements], float | None]  # us, None: impossible
     compute: Callable[[torch.fx.Node, int], float]  # us of a node's strategy
+    # cost of every (a, b) pair of one value at once (inf: impossible); default: ``cost``
+    pair_costs: Callable[[Value, list[Placements], list[Placements]], np.ndarray] | None = None
+
+    def costs(self, value: Value, srcs: list[Placements], dsts: list[Placements]) -> np.ndarray:
+        if self.pair_costs is not None:
+            return self.pair_costs(value, srcs, dsts)
+        out = np.full((len(srcs), len(dsts)), np.inf)
+        for i, a in enumerate(srcs):
+            for j, b in enumerate(dsts):
+                c = self.cost(value, a, b)
+                out[i, j] = np.inf if c is None else c
+        return out
+
+
+@dataclass
+class Solution:
+    """The chosen strategy per node and how it was found. ``objective_us``: its estimated
+    forward+backward time; ``bound_us``: a proven lower bound on any choice's (equal when
+    exact); ``greedy_us``: the greedy choice's; ``pairs``: edge pairs in the program / in all."""
+
+    chosen: dict[torch.fx.Node, int]
+    status: str
+    objective_us: float
+    bound_us: float | None = None
+    greedy_us: float | None = None
+    pairs: tuple[int, int] = (0, 0)
+
+    @property
+    def gap(self) -> float | None:
+        """Relative gap to the lower bound (0: proven optimal; None: no bound)."""
+        if self.bound_us is None:
+            return None
+        return max(self.objective_us - self.bound_us, 0.0) / max(self.objective_us, 1e-12)
 
 
 def _producer_groups(ns: NodeStrategies, k: int | None) -> dict[Placements, list[int]]:
@@ -56,84 +100,216 @@ def _producer_groups(ns: NodeStrategies, k: int | None) -> dict[Placements, list
     return groups
 
 
-def solve_global(problem: Problem) -> dict[torch.fx.Node, int]:
-    """The strategy index of every node minimizing the total estimated cost (needs scipy)."""
+def _required(demand: Demand, chosen: dict[torch.fx.Node, int]) -> Placements | None:
+    for b, node, strategies in demand.options:
+        if node is None or chosen[node] in strategies:
+            return b
+    return None
+
+
+def objective(problem: Problem, chosen: dict[torch.fx.Node, int]) -> float:
+    """The estimated time (us) of ``chosen``: compute of every node plus every redistribution
+    (``inf`` when one is impossible)."""
+    total = sum(problem.compute(node, s) + TIE * s for node, s in chosen.items())
+    for demand in problem.demands:
+        producer, k = demand.value
+        a = problem.table[producer].outputs[chosen[producer]][0 if k is None else k]
+        b = _required(demand, chosen)
+        c = problem.cost(demand.value, a, b) if a is not None and b is not None else None
+        total += float("inf") if c is None else c
+    return total
+
+
+@dataclass
+class _Edge:
+    """One demand's pair costs ``cost[a, b]`` (``inf``: impossible or dearer than greedy's
+    whole step), the producer strategies of each ``a`` and consumer strategies of each ``b``."""
+
+    producer: torch.fx.Node
+    same: list[tuple[int, int]]  # pairs (a, b) with a == b
+    groups: list[list[int]]
+    options: list[tuple[torch.fx.Node | None, list[int]]]
+    cost: np.ndarray
+
+
+def _edges(problem: Problem, upper: float) -> list[_Edge]:
+    out = []
+    for demand in problem.demands:
+        producer, k = demand.value
+        groups = _producer_groups(problem.table[producer], k)
+        cost = problem.costs(demand.value, list(groups), [b for b, _, _ in demand.options])
+        cost[cost > upper] = np.inf  # dearer pairs are in no solution better than greedy's
+        options = [(node, strategies) for _, node, strategies in demand.options]
+        where = {b: j for j, (b, _, _) in enumerate(demand.options)}
+        same = [(i, where[a]) for i, a in enumerate(groups) if a in where]
+        out.append(_Edge(producer, same, list(groups.values()), options, cost))
+    return out
+
+
+class _Program:
+    """The LP over all node variables and a growing subset of pair variables (column
+    generation: a pair enters when its reduced cost under the current duals is negative)."""
+
+    def __init__(self, problem: Problem, edges: list[_Edge]) -> None:
+        self.edges = edges
+        self.index: dict[tuple[torch.fx.Node, int], int] = {}
+        self.costs: list[float] = []
+        for node, ns in problem.table.items():
+            for s in range(len(ns.outputs)):
+                self.index[(node, s)] = len(self.costs)
+                self.costs.append(problem.compute(node, s) + TIE * s)
+        self.num_x = len(self.costs)
+        self.rows: list[int] = []
+        self.cols: list[int] = []
+        self.vals: list[float] = []
+        self.rhs: list[float] = []
+        for node, ns in problem.table.items():
+            self._row([self.index[(node, s)] for s in range(len(ns.outputs))], [], 1.0)
+        self.row_a: list[list[int]] = []  # per edge, per producer group: its row
+        self.row_b: list[list[int]] = []
+        for e in edges:
+            self.row_a.append(
+                [self._row([], [self.index[(e.producer, s)] for s in g], 0.0) for g in e.groups]
+            )
+            self.row_b.append(
+                [
+                    self._row([], [self.index[(n, s)] for s in ss], 0.0)
+                    if n
+                    else self._row([], [], 1.0)
+                    for n, ss in e.options
+                ]
+            )
+        self.pairs: dict[tuple[int, int, int], int] = {}
+
+    def _row(self, plus: list[int], minus: list[int], value: float) -> int:
+        r = len(self.rhs)
+        self.rows += [r] * (len(plus) + len(minus))
+        self.cols += plus + minus
+        self.vals += [1.0] * len(plus) + [-1.0] * len(minus)
+        self.rhs.append(value)
+        return r
+
+    def add(self, e: int, i: int, j: int) -> None:
+        if (e, i, j) in self.pairs:
+            return
+        col = len(self.costs)
+        self.pairs[(e, i, j)] = col
+        self.costs.append(float(self.edges[e].cost[i, j]))
+        self.rows += [self.row_a[e][i], self.row_b[e][j]]
+        self.cols += [col, col]
+        self.vals += [1.0, 1.0]
+
+    def matrix(self) -> Any:
+        import scipy.sparse
+
+        shape = (len(self.rhs), len(self.costs))
+        return scipy.sparse.csr_array((self.vals, (self.rows, self.cols)), shape=shape)
+
+    def price(self, duals: np.ndarray) -> tuple[int, float]:
+        """Add each edge's pairs of most negative reduced cost (per row and per column); how
+        many were added, and the sum over edges of their minimum reduced cost (each edge's
+        pairs sum to one, so the LP over all pairs is at least this LP's value plus it)."""
+        added, shortfall = 0, 0.0
+        for e, edge in enumerate(self.edges):
+            ua = duals[self.row_a[e]][:, None]
+            ub = duals[self.row_b[e]][None, :]
+            reduced = edge.cost - ua - ub
+            negative = reduced < -1e-7 * (1 + np.abs(edge.cost))
+            if not negative.any():
+                continue
+            shortfall += float(reduced[negative].min())
+            reduced = np.where(negative, reduced, np.inf)
+            rows, cols = np.nonzero(negative.any(1))[0], np.nonzero(negative.any(0))[0]
+            best = {(int(i), int(np.argmin(reduced[i]))) for i in rows}
+            best |= {(int(np.argmin(reduced[:, j])), int(j)) for j in cols}
+            for i, j in sorted(best):  # each row's and each column's most negative
+                if (e, i, j) not in self.pairs:
+                    self.add(e, i, j)
+                    added += 1
+        return added, shortfall
+
+
+def solve_global(problem: Problem, time_limit_s: float = TIME_LIMIT_S) -> Solution:
+    """The strategy of every node minimizing the total estimated cost (needs scipy)."""
     try:
         import scipy.optimize
-        import scipy.sparse
     except ImportError as err:
         raise ImportError(
             "vescale.parallelize(solver='global') needs scipy: pip install scipy"
         ) from err
-    index: dict[tuple[torch.fx.Node, int], int] = {}
-    costs: list[float] = []
-    for node, ns in problem.table.items():
-        for s in range(len(ns.outputs)):
-            index[(node, s)] = len(costs)
-            costs.append(problem.compute(node, s) + TIE * s)
-    rows: list[int] = []
-    cols: list[int] = []
-    vals: list[float] = []
-    lo: list[float] = []
-    hi: list[float] = []
-
-    def row(entries: list[tuple[int, float]], value: float) -> None:
-        r = len(lo)
-        for c, v in entries:
-            rows.append(r)
-            cols.append(c)
-            vals.append(v)
-        lo.append(value)
-        hi.append(value)
-
-    for node, ns in problem.table.items():
-        row([(index[(node, s)], 1.0) for s in range(len(ns.outputs))], 1.0)
-    for demand in problem.demands:
-        producer, k = demand.value
-        groups = _producer_groups(problem.table[producer], k)
-        ys: dict[Placements, list[int]] = {a: [] for a in groups}
-        yb: list[list[int]] = [[] for _ in demand.options]
-        for j, (b, _, _) in enumerate(demand.options):
-            for a in groups:
-                c = problem.cost(demand.value, a, b)
-                if c is None:
-                    continue
-                ys[a].append(len(costs))
-                yb[j].append(len(costs))
-                costs.append(c)
-        for a, strategies in groups.items():
-            row([(y, 1.0) for y in ys[a]] + [(index[(producer, s)], -1.0) for s in strategies], 0.0)
-        for j, (_, consumer, strategies) in enumerate(demand.options):
-            if consumer is None:
-                row([(y, 1.0) for y in yb[j]], 1.0)
-            else:
-                row(
-                    [(y, 1.0) for y in yb[j]] + [(index[(consumer, s)], -1.0) for s in strategies],
-                    0.0,
-                )
-    n = len(costs)
-    matrix = scipy.sparse.csr_array((vals, (rows, cols)), shape=(len(lo), n))
-    args = (np.asarray(costs),)
-    kw: dict = {
-        "constraints": scipy.optimize.LinearConstraint(matrix, lo, hi),
-        "bounds": scipy.optimize.Bounds(0, 1),
-    }
-    result = scipy.optimize.milp(*args, **kw)  # the LP relaxation: usually integral already
-    if result.x is None or np.any((result.x > 1e-6) & (result.x < 1 - 1e-6)):
-        result = scipy.optimize.milp(
-            *args, integrality=np.ones(n), options={"mip_rel_gap": 1e-7}, **kw
+    deadline = time.monotonic() + time_limit_s
+    greedy = solve_greedy(problem)
+    upper = greedy.objective_us * (1 + 1e-9) + 1e-9
+    edges = _edges(problem, upper)
+    lp = _Program(problem, edges)
+    for e, edge in enumerate(edges):  # start: pairs needing no move, and greedy's (feasible)
+        for i, j in edge.same:
+            if np.isfinite(edge.cost[i, j]):
+                lp.add(e, i, j)
+        gi, gj = _greedy_pair(problem, greedy.chosen, e, edge)
+        if gi is not None and gj is not None and np.isfinite(edge.cost[gi, gj]):
+            lp.add(e, gi, gj)
+    total_pairs = sum(int(np.isfinite(edge.cost).sum()) for edge in edges)
+    rounds, bound, best, best_x = 0, None, np.inf, None
+    while time.monotonic() < deadline:
+        rounds += 1
+        result = scipy.optimize.linprog(
+            np.asarray(lp.costs),
+            A_eq=lp.matrix(),
+            b_eq=np.asarray(lp.rhs),
+            bounds=(0, None),
+            method="highs",
+            options={"time_limit": max(deadline - time.monotonic(), 1.0)},
         )
-    if result.x is None:
-        raise RuntimeError(
-            f"vescale.plan: no placement assignment satisfies the plan ({result.message})"
+        if result.status != 0:
+            break
+        if float(result.fun) < best and not np.any((result.x > 1e-6) & (result.x < 1 - 1e-6)):
+            best, best_x = float(result.fun), result.x  # integral: a choice
+        added, shortfall = lp.price(np.asarray(result.eqlin.marginals))
+        bound = max(bound or -np.inf, float(result.fun) + shortfall)  # no choice is cheaper
+        if added == 0 or best - bound <= GAP * abs(best):
+            break
+    x, status = best_x, f"column generation ({rounds} LPs), integral"
+    if x is None:  # no integral LP solution: branch and bound over the priced pairs
+        n = len(lp.costs)
+        mip = scipy.optimize.milp(
+            np.asarray(lp.costs),
+            integrality=np.ones(n),
+            constraints=scipy.optimize.LinearConstraint(lp.matrix(), lp.rhs, lp.rhs),
+            bounds=scipy.optimize.Bounds(0, 1),
+            options={"time_limit": max(deadline - time.monotonic(), 10.0), "mip_rel_gap": 1e-7},
         )
-    chosen = {}
-    for node, ns in problem.table.items():
-        chosen[node] = max(range(len(ns.outputs)), key=lambda s: result.x[index[(node, s)]])
-    return chosen
+        x = mip.x
+        status = "branch and bound over the priced pairs" if mip.status == 0 else mip.message
+    pairs = (len(lp.pairs), total_pairs)
+    chosen = (
+        None
+        if x is None
+        else {
+            node: max(range(len(ns.outputs)), key=lambda s: x[lp.index[(node, s)]])
+            for node, ns in problem.table.items()
+        }
+    )
+    value = np.inf if chosen is None else objective(problem, chosen)
+    if chosen is None or value > greedy.objective_us:
+        greedy.status = f"greedy: the global program found nothing cheaper ({status})"
+        greedy.bound_us, greedy.greedy_us, greedy.pairs = bound, greedy.objective_us, pairs
+        return greedy
+    return Solution(chosen, status, value, bound, greedy.objective_us, pairs)
 
 
-def solve_greedy(problem: Problem) -> dict[torch.fx.Node, int]:
+def _greedy_pair(
+    problem: Problem, chosen: dict[torch.fx.Node, int], e: int, edge: _Edge
+) -> tuple[int | None, int | None]:
+    i = next((i for i, g in enumerate(edge.groups) if chosen[edge.producer] in g), None)
+    j = next(
+        (j for j, (node, ss) in enumerate(edge.options) if node is None or chosen[node] in ss),
+        None,
+    )
+    return i, j
+
+
+def solve_greedy(problem: Problem) -> Solution:
     """Nodes in graph order, each the strategy cheapest given its producers' choices (ties:
     the earliest), as eager dispatch chooses; placeholders the plan leaves open: replicated
     (eager's default for unplanned parameters)."""
@@ -161,4 +337,4 @@ def solve_greedy(problem: Problem) -> dict[torch.fx.Node, int]:
             if total < best_cost:
                 best, best_cost = s, total
         chosen[node] = best
-    return chosen
+    return Solution(chosen, "greedy", objective(problem, chosen))
