@@ -8,19 +8,18 @@ and rewritten mechanically: ``"cuda"`` -> ``"cpu"``, ``"nccl"`` -> ``"gloo"``, `
 CUDA seeding dropped, the "needs N GPUs" skip lifted. Tests that call a kernel only CUDA has are
 skipped by name (``CUDA_ONLY``). Each FILE (relative to ``legacy/test/``, default ``FILES``) runs
 alone under ``nice`` and a timeout, one at a time; rank processes start by fork. Prints a per-file
-table (collected / passed / failed / skipped) and each failure's first error line.
+table (collected / passed / failed / error / skipped) and each failure's first error line.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
-import subprocess
 import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from suite_runner import STATUSES, first_error, run_pytest, verdicts
 
 FILES = [
     "dtensor/general/test_dtensor.py",
@@ -119,42 +118,6 @@ def prepare(legacy: Path, work: Path, files: list[str]) -> None:
         dst.write_text(adapt((legacy / f).read_text(), TEST_RULES))
 
 
-def run_file(work: Path, f: str, xml: Path, log: Path, timeout: int) -> int:
-    """pytest one file under nice + timeout, junit XML to ``xml``; returns the exit code."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{work}{os.pathsep}{REPO}")
-    cmd = ["nice", "-n", "19", "timeout", str(timeout), sys.executable, "-m", "pytest", "-q"]
-    cmd += ["-p", "no:cacheprovider", "-rfEs", f"--junitxml={xml}", f]
-    with log.open("w") as out:
-        return subprocess.run(
-            cmd, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT
-        ).returncode
-
-
-def first_error(msg: str) -> str:
-    """The most telling line of a failure: the last exception line (a rank's, if any)."""
-    pat = re.compile(r"^([\w.]*(Error|Exception)|AssertionError)\b")
-    best = ""
-    for line in msg.splitlines():
-        line = re.sub(r"^(E\s+|\[rank\d+\]:\S* .*?\] ?)", "", line.strip())
-        if pat.match(line) and "exited with error code" not in line:
-            best = line
-    return (best or msg.strip().split("\n")[0])[:240]
-
-
-def verdicts(xml: Path) -> dict[str, tuple[str, str]]:
-    """test id -> (passed | failed | skipped, message) from one junit XML file."""
-    out: dict[str, tuple[str, str]] = {}
-    for tc in ET.parse(xml).getroot().iter("testcase"):
-        status, msg = "passed", ""
-        for child in tc:
-            if child.tag in ("failure", "error"):
-                status, msg = "failed", (child.get("message") or "") + "\n" + (child.text or "")
-            elif child.tag == "skipped":
-                status, msg = "skipped", child.get("message") or ""
-        out[f"{tc.get('classname', '').split('.')[-1]}::{tc.get('name')}"] = (status, msg)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("legacy", type=Path)
@@ -167,24 +130,28 @@ def main() -> None:
     logs = args.work / "logs"
     logs.mkdir(exist_ok=True)
     rows, failures = [], []
-    totals = [0, 0, 0, 0]
+    totals = [0] * (1 + len(STATUSES))
     for f in args.files:
         name = f.replace("/", "__")[:-3]
         xml, log = logs / f"{name}.xml", logs / f"{name}.log"
         xml.unlink(missing_ok=True)
-        rc = run_file(args.work / "tests", f, xml, log, args.timeout)
+        log.unlink(missing_ok=True)
+        pythonpath = [str(args.work / "tests"), REPO]
+        rc = run_pytest(args.work / "tests", [f], xml, log, args.timeout, pythonpath)
         if not xml.exists():
-            rows.append(f"| {f} | - | no result (rc={rc}, see {log}) | | |")
+            rows.append(f"| {f} | - | no result (rc={rc}, see {log}) | | | |")
             continue
         v = verdicts(xml)
-        c = [len(v)] + [sum(s == k for s, _ in v.values()) for k in ("passed", "failed", "skipped")]
+        c = [len(v)] + [sum(s == k for s, _ in v.values()) for k in STATUSES]
         totals = [a + b for a, b in zip(totals, c)]
         rows.append(f"| {f} | " + " | ".join(map(str, c)) + " |")
         failures += [
-            f"FAIL {f}::{t} :: {first_error(m)}" for t, (s, m) in v.items() if s == "failed"
+            f"FAIL {f}::{t} :: {first_error(m)}"
+            for t, (s, m) in v.items()
+            if s in ("failed", "error")
         ]
         print(rows[-1], file=sys.stderr, flush=True)
-    print("| file | collected | passed | failed | skipped |\n|---|---|---|---|---|")
+    print("| file | collected | passed | failed | error | skipped |\n|---|---|---|---|---|---|")
     print("\n".join(rows))
     print("| **total** | " + " | ".join(map(str, totals)) + " |\n")
     print("\n".join(failures))

@@ -1,6 +1,7 @@
 """Run PyTorch's own DTensor tests twice: plain, and with ``import vescale`` first.
 
-usage: python scripts/peer_upstream.py SRC [FILE ...] [--work DIR] [--timeout S] [--report-only]
+usage: python scripts/peer_upstream.py SRC [FILE ...] [--work DIR] [--timeout S]
+       [--modes plain vescale] [--resume] [--report-only]
 
 SRC holds PyTorch's test sources: a folder with ``test/distributed/tensor/...`` (or that
 ``tensor`` folder itself). FILE is relative to ``test/distributed/tensor/`` (default ``FILES``).
@@ -8,24 +9,25 @@ The files are copied into ``--work`` (never into this repository) as two trees: 
 ``vescale/``, whose ``conftest.py`` imports vescale and puts a ``sitecustomize.py`` on
 ``PYTHONPATH`` that imports vescale in spawned rank processes. Name drift between the stored
 test versions and torch 2.13 is fixed by the same edit in both trees (``DRIFT``). Rank processes
-start by fork (this file is also the pytest plugin that does it). Each file runs alone under
-``nice`` and a timeout, plain then with vescale; tests that a persistent-process class skipped
+start by fork (this file is also the pytest plugin that does it). Each test class runs in its
+own pytest process under ``nice`` and ``--timeout`` seconds, plain then with vescale, one at a
+time; a class that times out is rerun test by test, and tests a persistent-process class skipped
 only because an earlier test failed are rerun one by one, so each test gets its own verdict.
+``--resume`` keeps every class that already has a result (a run can be stopped and restarted).
 
-Prints the per-file table (passed/failed/skipped plain and with vescale) and the difference:
-every test that passes plain and fails (or is missing) with vescale, with its first error line.
-``--report-only`` prints the tables from an earlier run's logs.
+Prints the per-file table (passed/failed/error/skipped plain and with vescale) and the
+difference: every test that passes plain and does not pass (or is missing) with vescale, with
+its first error line. ``--report-only`` prints the tables from an earlier run's logs.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import subprocess
 import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from suite_runner import STATUSES, collect, counts, first_error, run_pytest, verdicts
 
 FILES = [
     "test_api.py",
@@ -114,98 +116,88 @@ def prepare(src: Path, work: Path, files: list[str]) -> None:
     (work / "vescale" / "conftest.py").write_text(VESCALE_CONFTEST)
 
 
-def run_pytest(tree: Path, target: str, xml: Path, log: Path, timeout: int) -> int:
-    """One pytest run under nice + timeout, junit XML to ``xml``, output appended to ``log``."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(HERE)]))
-    cmd = ["nice", "-n", "19", "timeout", str(timeout), sys.executable, "-m", "pytest", "-q"]
-    cmd += ["-p", "no:cacheprovider", "-p", "peer_upstream", "-rfEs", "--timeout=600"]
-    cmd += [f"--junitxml={xml}", target]
-    with log.open("a") as out:
-        return subprocess.run(
-            cmd, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT
-        ).returncode
+def _logs(work: Path, mode: str) -> Path:
+    logs = work / "logs" / mode
+    logs.mkdir(parents=True, exist_ok=True)
+    return logs
 
 
-def verdicts(xml: Path) -> dict[str, tuple[str, str]]:
-    """test id (``Class::test``) -> (passed | failed | skipped, message) from a junit XML file."""
-    out: dict[str, tuple[str, str]] = {}
-    for tc in ET.parse(xml).getroot().iter("testcase"):
-        status, msg = "passed", ""
-        for child in tc:
-            if child.tag in ("failure", "error"):
-                status, msg = "failed", (child.get("message") or "") + "\n" + (child.text or "")
-            elif child.tag == "skipped":
-                status, msg = "skipped", child.get("message") or ""
-        out[f"{tc.get('classname', '').split('.')[-1]}::{tc.get('name')}"] = (status, msg)
+def _name(f: str) -> str:
+    return f.replace("/", "__")[:-3]
+
+
+def classes(work: Path, f: str) -> dict[str, list[str]]:
+    """Test class -> its tests in ``f``, as pytest collects them (cached in ``work/logs``)."""
+    cache = _logs(work, "ids") / f"{_name(f)}.ids"
+    if not cache.exists():
+        cache.write_text("\n".join(collect(work / "plain", f, [str(HERE)], [])))
+    out: dict[str, list[str]] = {}
+    for node in cache.read_text().split():
+        _, cls, test = node.split("::", 2)
+        out.setdefault(cls, []).append(test)
     return out
 
 
-def run_file(work: Path, mode: str, f: str, timeout: int) -> None:
-    """Run ``f`` in one mode; rerun alone each test skipped for "Previous test failed"."""
-    logs = work / "logs" / mode
-    logs.mkdir(parents=True, exist_ok=True)
-    name = f.replace("/", "__")[:-3]
-    for old in logs.glob(f"{name}.*"):
-        old.unlink()
-    log = logs / f"{name}.log"
-    xml = logs / f"{name}.xml"
-    rc = run_pytest(work / mode, f, xml, log, timeout)
-    if not xml.exists():
-        log.open("a").write(f"\npeer_upstream: no junit XML (rc={rc})\n")
-        return
-    skipped = [
-        t for t, (s, m) in verdicts(xml).items() if s == "skipped" and "Previous test failed" in m
-    ]
-    for n, tid in enumerate(skipped, 1):
-        run_pytest(work / mode, f"{f}::{tid}", logs / f"{name}.rerun{n}.xml", log, timeout)
+def _pytest(work: Path, mode: str, target: str, xml: Path, timeout: int) -> int:
+    log = _logs(work, mode) / f"{_name(target.split('::')[0])}.log"
+    args = ["-p", "peer_upstream", "--timeout=600", target]
+    return run_pytest(work / mode, args, xml, log, timeout, [str(REPO), str(HERE)])
+
+
+def run_file(work: Path, mode: str, f: str, timeout: int, resume: bool) -> None:
+    """Run ``f`` in one mode, one test class per pytest process.
+
+    A class that leaves no junit XML (timeout, crash) is rerun test by test; a test that still
+    leaves none is recorded as a timeout. Tests a persistent-process class skipped only because
+    an earlier test failed are rerun one by one. ``resume`` keeps the results already there.
+    """
+    logs, name = _logs(work, mode), _name(f)
+    if not resume:
+        for old in logs.glob(f"{name}.*"):
+            old.unlink()
+    for cls, tests in classes(work, f).items():
+        xml = logs / f"{name}.{cls}.0.xml"
+        if resume and (xml.exists() or list(logs.glob(f"{name}.{cls}.t*"))):
+            continue
+        _pytest(work, mode, f"{f}::{cls}", xml, timeout)
+        if not xml.exists():
+            for i, test in enumerate(tests):
+                one = logs / f"{name}.{cls}.t{i}.xml"
+                _pytest(work, mode, f"{f}::{cls}::{test}", one, timeout)
+                if not one.exists():
+                    one.with_suffix(".timeout").write_text(f"{cls}::{test}")
+            continue
+        skipped = [
+            t
+            for t, (s, m) in verdicts(xml).items()
+            if s == "skipped" and "Previous test failed" in m
+        ]
+        for i, tid in enumerate(skipped):
+            _pytest(work, mode, f"{f}::{tid}", logs / f"{name}.{cls}.r{i}.xml", timeout)
 
 
 def file_verdicts(work: Path, mode: str, f: str) -> dict[str, tuple[str, str]] | None:
-    """Verdicts of ``f`` in ``mode``, reruns overriding the first run; None: no result."""
-    logs = work / "logs" / mode
-    name = f.replace("/", "__")[:-3]
-    xml = logs / f"{name}.xml"
-    if not xml.exists():
-        return None
-    out = verdicts(xml)
-    for rerun in sorted(logs.glob(f"{name}.rerun*.xml")):
-        out.update(verdicts(rerun))
-    return out
-
-
-def first_error(msg: str) -> str:
-    """The most telling line of a failure: the last exception line (a rank's, if any)."""
-    pat = re.compile(r"^([\w.]*(Error|Exception)|AssertionError)\b")
-    best = ""
-    for line in msg.splitlines():
-        line = re.sub(r"^(E\s+|\[rank\d+\]:\S* .*?\] ?)", "", line.strip())
-        if pat.match(line) and "exited with error code" not in line:
-            best = line
-    return (best or msg.strip().split("\n")[0])[:240]
-
-
-def counts(v: dict[str, tuple[str, str]] | None) -> str:
-    """``passed/failed/skipped`` of one file, or why there is none."""
-    if v is None:
-        return "no result (timeout/crash)"
-    return "/".join(
-        str(sum(s == k for s, _ in v.values())) for k in ("passed", "failed", "skipped")
-    )
+    """Verdicts of ``f`` in ``mode`` (reruns override first runs); None: no result."""
+    logs, name = work / "logs" / mode, _name(f)
+    out: dict[str, tuple[str, str]] = {}
+    for xml in sorted(logs.glob(f"{name}.*.xml")):  # NAME.CLASS.0.xml before its reruns
+        out.update(verdicts(xml))
+    for marker in logs.glob(f"{name}.*.timeout"):
+        out[marker.read_text()] = ("error", "timeout/crash: no junit XML")
+    return out or None
 
 
 def report(work: Path, files: list[str]) -> None:
     """Print the per-file table of both modes, then every test passing plain only."""
-    print(
-        "| file | plain passed/failed/skipped | with vescale passed/failed/skipped | regressions |"
-    )
+    print("| file | plain p/f/e/s | with vescale p/f/e/s | regressions |")
     print("|---|---|---|---|")
-    totals = {m: [0, 0, 0] for m in MODES}
+    totals = {m: dict.fromkeys(STATUSES, 0) for m in MODES}
     regressions: list[str] = []
     for f in files:
         plain, ves = (file_verdicts(work, m, f) for m in MODES)
         for m, v in zip(MODES, (plain, ves)):
-            for i, k in enumerate(("passed", "failed", "skipped")):
-                totals[m][i] += sum(s == k for s, _ in (v or {}).values())
+            for s, _ in (v or {}).values():
+                totals[m][s] += 1
         lost = [
             (t, (ves or {}).get(t, ("missing", "no verdict with vescale"))[1])
             for t, (s, _) in (plain or {}).items()
@@ -213,7 +205,7 @@ def report(work: Path, files: list[str]) -> None:
         ]
         regressions += [f"{f}::{t} :: {first_error(m)}" for t, m in lost]
         print(f"| {f} | {counts(plain)} | {counts(ves)} | {len(lost)} |")
-    tot = ["/".join(map(str, totals[m])) for m in MODES]
+    tot = ["/".join(str(totals[m][s]) for s in STATUSES) for m in MODES]
     print(f"| **total** | {tot[0]} | {tot[1]} | {len(regressions)} |\n")
     print(f"Passing plain, not passing with vescale imported: {len(regressions)}")
     for r in regressions:
@@ -225,15 +217,17 @@ def main() -> None:
     ap.add_argument("src", type=Path)
     ap.add_argument("files", nargs="*", default=FILES)
     ap.add_argument("--work", type=Path, default=Path("/tmp/peer_upstream"))
-    ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--timeout", type=int, default=1200, help="seconds per pytest process")
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument("--resume", action="store_true", help="keep the classes that have a result")
     args = ap.parse_intermixed_args()
     src = args.src / "test" / "distributed" / "tensor" if (args.src / "test").is_dir() else args.src
     if not args.report_only:
         prepare(src, args.work, args.files)
         for f in args.files:
-            for mode in MODES:
-                run_file(args.work, mode, f, args.timeout)
+            for mode in args.modes:
+                run_file(args.work, mode, f, args.timeout, args.resume)
                 print(f"{mode}: {f} {counts(file_verdicts(args.work, mode, f))}", file=sys.stderr)
     report(args.work, args.files)
 
