@@ -1,14 +1,14 @@
 """The plan path on Hugging Face ``LlamaForCausalLM`` from a tiny random ``LlamaConfig``
 (nothing downloaded) on a (dp=2, tp=2) gloo mesh, with a plan naming only the attention and
-MLP linear weights, the embeddings, the head and the batch: 3 SGD steps equal one device.
-
-Solved greedily: the global integer program over this joint graph (594 nodes, 4-D attention
-tensors with ~36 placements each) is too large to build in minutes yet (see docs/plan.md)."""
+MLP linear weights, the embeddings, the head and the batch: 3 SGD steps equal one device,
+with the global solver (column generation over the joint graph's edge pairs). One decoder
+layer by default (336-node joint graph); two (594 nodes) with ``pytest --full``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import vescale
@@ -34,13 +34,13 @@ class LlamaLoss(nn.Module):
     """The causal-LM loss of a tiny Llama; the causal mask and positions are built here (a
     4-D mask skips transformers' data-dependent mask preprocessing, which cannot be traced)."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int) -> None:
         super().__init__()
         cfg = transformers.LlamaConfig(
             vocab_size=256,
             hidden_size=32,
             intermediate_size=64,
-            num_hidden_layers=2,
+            num_hidden_layers=layers,
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=64,
@@ -66,16 +66,15 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _check_llama_trains_like_one_device() -> None:
+def _check_llama_trains_like_one_device(layers: int) -> None:
     batches = _batches()
-    ref_losses, ref_params = train(LlamaLoss(), batches)
+    ref_losses, ref_params = train(LlamaLoss(layers), batches)
     model = vescale.parallelize(
-        LlamaLoss(),
+        LlamaLoss(layers),
         gpt_mesh(),
         PLAN,
         inputs=[BATCH, BATCH],
         example_inputs=batches[0],
-        solver="greedy",
         alpha_beta=ALPHA_BETA,
         compile=False,
     )
@@ -86,7 +85,17 @@ def _check_llama_trains_like_one_device() -> None:
         torch.testing.assert_close(v, ref_params[k], atol=1e-5, rtol=0, msg=k)
     chosen = model.program.param_placements()
     assert chosen["llama.model.layers.0.self_attn.q_proj.weight"] == (Replicate(), Shard(0))
+    solution = model.program.solution
+    assert solution is not None and solution.status.startswith("column generation"), solution
+    assert solution.greedy_us is not None and solution.objective_us < solution.greedy_us
+    if dist.get_rank() == 0:
+        print(f"\nLlama, {layers} layer(s):\n{model.explain().summary()}")
 
 
 def test_plan_llama_trains_like_one_device(pool4):
-    pool4.run(_check_llama_trains_like_one_device, timeout_s=900)
+    pool4.run(_check_llama_trains_like_one_device, 1, timeout_s=900)
+
+
+@pytest.mark.full
+def test_plan_llama_two_layers_trains_like_one_device(pool4):
+    pool4.run(_check_llama_trains_like_one_device, 2, timeout_s=1800)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import functools
 import time
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from vescale.plan.capture import JointGraph
 from vescale.plan.cost import AlphaBeta, CommStep, local_bytes, redistribution_steps
 from vescale.plan.handlers import handler_strategies
 from vescale.plan.propagate import NodeStrategies, Placements, Value, propagate, value_of
-from vescale.plan.solve import Demand, Problem, Solution, solve_global, solve_greedy
+from vescale.plan.solve import TIME_LIMIT_S, Demand, Problem, Solution, solve_global, solve_greedy
 
 __all__ = ["PlacedProgram", "place"]
 
@@ -188,6 +189,16 @@ def _derived_from_inputs(joint: JointGraph) -> set[torch.fx.Node]:
     return out
 
 
+@functools.cache
+def _patient_group() -> dist.ProcessGroup:
+    """The world on gloo with a timeout longer than any solve: the other ranks wait for rank
+    0's choice in it (the default group's timeout may be shorter than a large solve)."""
+    seconds = 2 * TIME_LIMIT_S + 600
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
+    assert group is not None
+    return group
+
+
 def _solve_once(problem: Problem, solver: str, mesh: DeviceMesh) -> Solution:
     """Solve on the first rank and broadcast the solution when the mesh spans the whole world
     (every rank then holds the same choice by construction); otherwise every rank solves the
@@ -207,7 +218,7 @@ def _solve_once(problem: Problem, solver: str, mesh: DeviceMesh) -> Solution:
         solution = solve(problem)
         solution.chosen = [solution.chosen[n] for n in nodes]  # type: ignore[assignment]
         box = [solution]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=_patient_group())
     solution = box[0]
     solution.chosen = dict(zip(nodes, solution.chosen))
     return solution  # type: ignore[no-any-return]
