@@ -12,6 +12,7 @@ from torch._dynamo.backends.registry import _COMPILER_FNS as DYNAMO_COMPILER_FNS
 from torch._dynamo.backends.registry import register_backend
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._library.opaque_object import MemberType, register_opaque_type
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed._functional_collectives import _are_we_tracing as are_we_tracing
@@ -51,6 +52,7 @@ from torch.distributed.tensor.parallel import loss as upstream_loss_module
 from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _disable_current_modes,
@@ -63,6 +65,7 @@ __all__ = [
     "AsyncCollectiveTensor",
     "DTensorSpec",
     "ExplicitRedistributionContext",
+    "FakeTensorMode",
     "FunctionalTensor",
     "LocalLRUCache",
     "MaskPartial",
@@ -93,6 +96,7 @@ __all__ = [
     "make_boxed_func",
     "maybe_run_for_local_tensor",
     "mesh_scatter",
+    "pytree",
     "redistribute_cost",
     "register_backend",
     "register_opaque_type",
