@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+
+from vescale._torch_compat import FakeTensorMode
 
 __all__ = ["JointGraph", "capture_joint"]
 

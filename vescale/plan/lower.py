@@ -9,9 +9,9 @@ import operator
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
+from vescale._torch_compat import pytree
 from vescale.dtensor import DTensor, Replicate
 from vescale.plan.program import PlacedProgram
 from vescale.plan.propagate import Placements

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
+from vescale._torch_compat import pytree
 from vescale.plan.capture import JointGraph
 from vescale.plan.cost import AlphaBeta, CommStep, local_bytes, redistribution_steps
 from vescale.plan.handlers import handler_strategies

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
@@ -32,6 +31,7 @@ from vescale._torch_compat import (
     TensorMeta,
     TupleStrategy,
     expand_to_full_mesh_op_strategy,
+    pytree,
     upstream_strategy_utils,
 )
 from vescale.dtensor.dtensor import vescale_rules
