@@ -1,9 +1,18 @@
-"""Op x placement fuzz: every op of docs/concepts.md (tests/dtensor/op_cases.py) over every
-placement combination of its inputs (Replicate, Shard on each dim, Partial for float data)
-on 1-D meshes of 2 and 4 ranks and a 2x2 mesh, on even and uneven sizes, forward and
-backward, against single-device torch in float64. Implicit redistribution is allowed here
-(explicit mode off): the answer must be right whatever communication it takes; the
-communication itself is pinned in test_op_communication.py."""
+"""Op x placement fuzz: every op of API.md "Ops" (tests/dtensor/op_cases.py) on the
+placements of its inputs (Replicate, Shard on each dim, Partial for float data), on even and
+uneven sizes, forward and backward, against single-device torch in float64:
+
+* 1-D meshes of 2 and 4 ranks: every placement combination of the inputs;
+* the 2x2 mesh: an all-pairs covering set over the (input, mesh dim) factors, so every 2-D
+  placement of every input, and every pair of placements of two inputs (on the same or on
+  different mesh dims), appears in some layout; ``--full`` adds the full product.
+
+Each rank compares its own local shards of the outputs and input gradients with the shards
+of the single-device results (no gather in the check, and every replica is checked);
+outputs with other placements (Partial, interleaved) are compared as full tensors.
+Implicit redistribution is allowed here (explicit mode off): the answer must be right
+whatever communication it takes; the communication itself is pinned in
+test_op_communication.py."""
 
 from __future__ import annotations
 
@@ -21,7 +30,7 @@ from torch.distributed.tensor import DTensor as UpstreamDTensor
 
 import vescale
 from tests.dtensor.op_cases import BY_NAME, CASES, EVEN, EXTRA_CASES, UNEVEN, OpCase
-from tests.dtensor.reference import mesh_of
+from tests.dtensor.reference import expected_local, mesh_of
 from vescale import InterleavedShard, Partial, Placement, Replicate, Shard
 
 Layout = tuple[tuple[Placement, ...], ...]  # per input, per mesh dim
@@ -83,6 +92,20 @@ def layouts(case: OpCase, inputs: Sequence[torch.Tensor], mesh_ndim: int) -> lis
     return list(itertools.product(*per_input))
 
 
+def pairwise_layouts(case: OpCase, inputs: Sequence[torch.Tensor], mesh_ndim: int) -> list[Layout]:
+    """An all-pairs covering set over the (input, mesh dim) factors: every placement of every
+    input on every mesh dim appears with every placement of every other factor in some
+    layout. On a 1-D mesh (and for ``shared`` inputs) that is :func:`layouts` itself."""
+    if mesh_ndim == 1 or case.shared:
+        return layouts(case, inputs, mesh_ndim)
+    opts = [_options(t, i in case.partial) for i, t in enumerate(inputs)]
+    rows = all_pairs([o for o in opts for _ in range(mesh_ndim)])
+    return [
+        tuple(tuple(row[i * mesh_ndim : (i + 1) * mesh_ndim]) for i in range(len(inputs)))
+        for row in rows
+    ]
+
+
 def make_inputs(case: OpCase, size: tuple[int, int]) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + size[0])
     return case.make(*size, gen)
@@ -90,16 +113,6 @@ def make_inputs(case: OpCase, size: tuple[int, int]) -> tuple[torch.Tensor, ...]
 
 def _tensors(out: Any) -> list[torch.Tensor]:
     return list(out) if isinstance(out, (tuple, list)) else [out]
-
-
-def _seed_loss(outs: Sequence[Any], full: Sequence[Any]) -> torch.Tensor:
-    """sum(out * w) over the differentiable outputs, with fixed non-uniform weights."""
-    loss = torch.zeros((), dtype=torch.float64)
-    for o, f in zip(outs, full):
-        if isinstance(o, torch.Tensor) and o.requires_grad:
-            w = torch.linspace(-1.0, 2.0, f.numel(), dtype=torch.float64).view(f.shape)
-            loss = loss + (f * w).sum()
-    return loss
 
 
 SUBMESH = ("ranks", 0, 2)
@@ -124,15 +137,64 @@ def mesh_ndim(key: MeshKey) -> int:
     return 1 if key and key[0] == "ranks" else len(key)
 
 
+def _by_shard(t: UpstreamDTensor) -> bool:
+    """Whether ``t``'s local shards follow from its global value alone (``expected_local``):
+    Replicate or plain Shard (not interleaved, not strided) on every mesh dim."""
+    return all(type(p) in (Replicate, Shard) for p in t.placements)
+
+
+def _shard_of(t: UpstreamDTensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``full`` laid out as ``t``."""
+    mesh = t.device_mesh
+    return expected_local(full, mesh.shape, mesh.get_coordinate() or (), t.placements)
+
+
+def _weights(shape: Sequence[int]) -> torch.Tensor:
+    return torch.linspace(-1.0, 2.0, math.prod(shape), dtype=torch.float64).view(tuple(shape))
+
+
+def _seed_loss(outs: Sequence[Any], refs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """sum(out * w) over the differentiable outputs, with fixed non-uniform weights ``w``.
+    A DTensor laid out by shard contributes its local shard times ``w``'s matching shard, so
+    backward seeds it with ``w`` in its own placements (no collective); others contribute
+    their full tensor."""
+    loss = torch.zeros((), dtype=torch.float64)
+    for o, r in zip(outs, refs):
+        if not (isinstance(o, torch.Tensor) and o.requires_grad):
+            continue
+        w = _weights(r.shape)
+        if isinstance(o, UpstreamDTensor) and _by_shard(o):
+            loss = loss + (o.to_local() * _shard_of(o, w)).sum()
+        else:
+            loss = loss + (_full(o) * w).sum()
+    return loss
+
+
 def _full(o: Any) -> Any:
     return o.full_tensor() if isinstance(o, UpstreamDTensor) else o
 
 
-def _assert_same(got: Any, want: Any) -> None:
-    if isinstance(want, torch.Tensor):
-        torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-10)
+def _mismatch(got: Any, want: Any) -> str | None:
+    """How ``got`` (a DTensor output or gradient, or a plain value) differs from the
+    single-device ``want``, or None. A DTensor laid out by shard is compared on this rank's
+    shard; others as full tensors (a collective, taken on every rank alike)."""
+    if got is None:
+        return "missing"
+    if isinstance(got, UpstreamDTensor):
+        if got.shape != want.shape:
+            return f"global shape {tuple(got.shape)}, single device {tuple(want.shape)}"
+        where = f" ({got.placements}, local shard)" if _by_shard(got) else f" ({got.placements})"
+        got, want = (got.to_local(), _shard_of(got, want)) if _by_shard(got) else (_full(got), want)
     else:
-        assert got == want, (got, want)
+        where = ""
+    try:
+        if isinstance(want, torch.Tensor):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-10)
+        else:
+            assert got == want, (got, want)
+    except AssertionError as e:
+        return f"{where} {e}".strip()
+    return None
 
 
 def check_layout(
@@ -143,11 +205,12 @@ def check_layout(
     counted: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     run: Callable[..., Any] | None = None,
 ) -> tuple[Any, Any]:
-    """One case on one layout: outputs and input gradients equal single-device torch.
-    Returns what ``counted()`` yielded around the op and around its backward. ``run``
-    replaces ``case.fn`` on the DTensor inputs (e.g. its compiled form). Outputs that are not
-    DTensors (``torch.equal``'s bool) are compared as they are. On a rank outside the mesh
-    the op must run without communicating and leave empty local tensors."""
+    """One case on one layout: outputs and input gradients equal single-device torch, shard
+    by shard on every rank (``_mismatch``). Returns what ``counted()`` yielded around the op
+    and around its backward. ``run`` replaces ``case.fn`` on the DTensor inputs (e.g. its
+    compiled form). Mismatches are raised together after backward, so a rank whose shard
+    differs still joins every collective. On a rank outside the mesh the op must run
+    without communicating and leave empty local tensors."""
     inputs = make_inputs(case, size)
     ref_in = [x.clone().requires_grad_(i in case.grad) for i, x in enumerate(inputs)]
     ref_out = _tensors(case.fn(*ref_in))
@@ -163,32 +226,34 @@ def check_layout(
         locals_ = [o.to_local() for o in out if isinstance(o, UpstreamDTensor)]
         assert all(t.numel() == 0 or t.ndim == 0 for t in locals_)
         return forward, None
-    full = [_full(o) for o in out]
-    assert len(full) == len(ref_out)
-    for f, r in zip(full, ref_out):
-        _assert_same(f, r)
-    if not case.grad:
-        return forward, None
-    _seed_loss(ref_out, ref_out).backward()
-    loss = _seed_loss(out, full)
-    with counted() as backward:
-        loss.backward()
-    for i in case.grad:
-        torch.testing.assert_close(
-            d_in[i].grad.full_tensor(), ref_in[i].grad, rtol=1e-10, atol=1e-10
-        )
+    assert len(out) == len(ref_out), (len(out), len(ref_out))
+    wrong = [(f"output {k}", _mismatch(o, r)) for k, (o, r) in enumerate(zip(out, ref_out))]
+    backward = None
+    if case.grad:
+        _seed_loss(ref_out, ref_out).backward()
+        loss = _seed_loss(out, ref_out)
+        with counted() as backward:
+            loss.backward()
+        wrong += [(f"grad {i}", _mismatch(d_in[i].grad, ref_in[i].grad)) for i in case.grad]
+    errors = [f"{what}: {msg}" for what, msg in wrong if msg is not None]
+    if errors:
+        raise AssertionError(f"rank {torch.distributed.get_rank()}: " + "; ".join(errors))
     return forward, backward
 
 
-def fuzz(name: str, mesh_shapes: Sequence[tuple[int, ...]]) -> tuple[int, list[str]]:
-    """Run ``name`` on every layout of every mesh and size; (cases run, failures)."""
+def fuzz(
+    name: str, mesh_shapes: Sequence[tuple[int, ...]], full: bool = False
+) -> tuple[int, list[str]]:
+    """Run ``name`` on the layouts of every mesh and size (``pairwise_layouts``, or with
+    ``full`` every combination: ``layouts``); (cases run, this rank's failures)."""
     case = BY_NAME[name]
+    pick = layouts if full else pairwise_layouts
     ran, failures = 0, []
     with vescale.dtensor.explicit_redistribute(False):
         for mesh_shape, size in itertools.product(mesh_shapes, (EVEN, UNEVEN)):
             if len(mesh_shape) == 2 and not case.mesh_2d:
                 continue
-            for layout in layouts(case, make_inputs(case, size), len(mesh_shape)):
+            for layout in pick(case, make_inputs(case, size), len(mesh_shape)):
                 ran += 1
                 try:
                     check_layout(case, size, mesh_shape, layout)
@@ -198,33 +263,86 @@ def fuzz(name: str, mesh_shapes: Sequence[tuple[int, ...]]) -> tuple[int, list[s
     return ran, failures
 
 
-def layout_count(name: str, mesh_shapes: Sequence[tuple[int, ...]]) -> int:
+def layout_count(name: str, mesh_shapes: Sequence[tuple[int, ...]], full: bool = False) -> int:
     case = BY_NAME[name]
+    pick = layouts if full else pairwise_layouts
     return sum(
-        len(layouts(case, make_inputs(case, size), len(mesh)))
+        len(pick(case, make_inputs(case, size), len(mesh)))
         for mesh, size in itertools.product(mesh_shapes, (EVEN, UNEVEN))
         if len(mesh) == 1 or case.mesh_2d
     )
 
 
-@pytest.mark.parametrize("name", [c.name for c in (*CASES, *EXTRA_CASES)])
-def test_op_on_every_placement(pool2, pool4, name):
-    ran2, fail2 = pool2.run(fuzz, name, [(2,)], timeout_s=900)[0]
-    ran4, fail4 = pool4.run(fuzz, name, [(4,), (2, 2)], timeout_s=900)[0]
-    assert (ran2, ran4) == (layout_count(name, [(2,)]), layout_count(name, [(4,), (2, 2)]))
-    failures = fail2 + fail4
-    assert not failures, f"{len(failures)}/{ran2 + ran4} layouts wrong:\n" + "\n".join(
+def _verdict(name: str, results: Sequence[Sequence[tuple[int, list[str]]]], want: int) -> None:
+    """Every rank ran ``want`` layouts and none failed on any rank."""
+    assert sum(ranks[0][0] for ranks in results) == want
+    failures = [f for ranks in results for _, fails in ranks for f in fails]
+    assert not failures, f"{name}: {len(failures)} failures in {want} layouts:\n" + "\n".join(
         failures[:15]
     )
 
 
+ALL_NAMES = [c.name for c in (*CASES, *EXTRA_CASES)]
+
+
+@pytest.mark.parametrize("name", ALL_NAMES)
+def test_op_on_every_placement(pool2, pool4, name):
+    """Every combination on 1-D meshes, all pairs of (input, mesh dim) factors on 2x2."""
+    r2 = pool2.run(fuzz, name, [(2,)], timeout_s=900)
+    r4 = pool4.run(fuzz, name, [(4,), (2, 2)], timeout_s=900)
+    _verdict(name, [r2, r4], layout_count(name, [(2,), (4,), (2, 2)]))
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("name", [n for n in ALL_NAMES if BY_NAME[n].mesh_2d])
+def test_op_on_every_placement_combination_2x2(pool4, name):
+    """The full product on the 2x2 mesh (all-pairs above FULL_PRODUCT_LIMIT)."""
+    results = pool4.run(fuzz, name, [(2, 2)], True, timeout_s=3600)
+    _verdict(name, [results], layout_count(name, [(2, 2)], full=True))
+
+
+def _alias_off_on_rank_1(x: Any) -> Any:
+    """``alias(x)`` with rank 1's local tensor off by 1e-3 (a wrong shard or replica)."""
+    y = torch.ops.aten.alias.default(x)
+    bump = 1e-3 if torch.distributed.get_rank() == 1 else 0.0
+    return UpstreamDTensor.from_local(
+        y.to_local() + bump, y.device_mesh, y.placements, shape=y.shape, stride=y.stride()
+    )
+
+
+def _caught(layouts_: Sequence[Layout]) -> list[str | None]:
+    out: list[str | None] = []
+    for layout in layouts_:
+        try:
+            check_layout(BY_NAME["alias"], EVEN, (2,), layout, run=_alias_off_on_rank_1)
+            out.append(None)
+        except AssertionError as e:
+            out.append(str(e))
+    return out
+
+
+def test_check_layout_fails_a_wrong_shard_on_one_rank(pool2):
+    """The shard-by-shard check fails the rank whose Shard or Replicate piece is wrong (a
+    gathered check would miss a wrong replica), and that rank still joins the backward;
+    a Partial output, compared as a full tensor, fails on every rank."""
+    r, s, p = Replicate(), Shard(0), Partial()
+    rank0, rank1 = pool2.run(_caught, [((r,),), ((s,),), ((p,),)])
+    assert rank0[:2] == [None, None], rank0
+    assert all(m is not None and m.startswith("rank 1: output 0:") for m in rank1), rank1
+    assert rank0[2] is not None and "output 0" in rank0[2], rank0
+
+
 if __name__ == "__main__":  # the case count per op: python -m tests.dtensor.test_op_fuzz
-    total = 0
+    total, full = 0, 0
     for c in (*CASES, *EXTRA_CASES):
         counts = [layout_count(c.name, [m]) for m in ((2,), (4,), (2, 2))]
-        total += sum(counts)
-        print(f"{c.name:26s} 1-D x2 {counts[0]:4d}  1-D x4 {counts[1]:4d}  2x2 {counts[2]:4d}")
-    print(f"{'total':26s} {total}")
+        full_2d = layout_count(c.name, [(2, 2)], full=True)
+        total, full = total + sum(counts), full + full_2d
+        print(
+            f"{c.name:26s} 1-D x2 {counts[0]:4d}  1-D x4 {counts[1]:4d}  2x2 {counts[2]:4d}"
+            f"  (--full: {full_2d:4d})"
+        )
+    print(f"{'total':26s} {total}  (--full adds {full})")
 
 
 # (case, input, dim): that input InterleavedShard(dim, 2) on 2 ranks, the others replicated
@@ -285,26 +403,13 @@ def _on_submesh(names: Sequence[str]) -> tuple[int, list[str]]:
     return ran, failures
 
 
-# Cases whose vescale handler still crashes on ranks outside the mesh (it reads the mesh
-# coordinate, or runs its local kernel on the empty shard): issue 18, for dispatch to route
-# ranks outside an op's mesh to upstream's non-participating path. Listed so that a fix, or a
-# new failure, changes this test's verdict.
-OFF_MESH_HANDLER_CRASHES = {
-    "argmax", "argmin", "topk_dim0", "topk_dim1_smallest", "unique", "scatter__src_dim0",
-    "scatter__value_dim1", "cross_entropy", "cross_entropy_sum_ignore", "cross_entropy_none",
-    "nll_loss",
-}  # fmt: skip
-
-
 def test_ops_on_a_submesh_with_ranks_outside(pool4):
+    """Ranks on the sub-mesh get single-device answers; ranks outside it never run vescale's
+    op handlers (upstream's rule: no communication, empty local results) and never crash."""
     names = [c.name for c in (*CASES, *EXTRA_CASES)]
     results = pool4.run(_on_submesh, names, timeout_s=900)
     assert results[0][0] >= 2 * len(names)
     inside = [f for r in (0, 2) for f in results[r][1]]
     assert not inside, "\n".join(inside[:15])  # ranks on the mesh: single-device answers
     outside = [f for r in (1, 3) for f in results[r][1]]
-    crashed = {f.split(" ")[0] for f in outside}
-    assert crashed == OFF_MESH_HANDLER_CRASHES, (
-        "\n".join(f for f in outside if f.split(" ")[0] not in OFF_MESH_HANDLER_CRASHES)
-        or f"fixed off the mesh: {sorted(OFF_MESH_HANDLER_CRASHES - crashed)}"
-    )
+    assert not outside, "\n".join(outside[:15])
