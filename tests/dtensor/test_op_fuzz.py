@@ -1,4 +1,4 @@
-"""Op x placement fuzz: every op of API.md "Ops" (tests/dtensor/op_cases.py) on the
+"""Op x placement fuzz: every op of docs/concepts.md (tests/dtensor/op_cases.py) on the
 placements of its inputs (Replicate, Shard on each dim, Partial for float data), on even and
 uneven sizes, forward and backward, against single-device torch in float64:
 
