@@ -102,7 +102,7 @@ class Explanation:
             return []
         line = f"{sol.status}: estimated step {sol.objective_us:.1f} us"
         if sol.gap is not None:
-            gap_us = sol.objective_us - (sol.bound_us or 0.0)
+            gap_us = max(sol.objective_us - (sol.bound_us or 0.0), 0.0)
             line += f" (lower bound {sol.bound_us:.1f} us, gap {gap_us:.1f} us = {sol.gap:.2%})"
         if sol.greedy_us is not None:
             line += f"; greedy {sol.greedy_us:.1f} us"
