@@ -78,7 +78,7 @@ def _replicated(t):
     return vescale.distribute_tensor(t, mesh_of((4,)), [Replicate()])
 
 
-def _check_compiled_matches(mode):
+def _check_compiled_matches(mode, dump_root=None):
     torch._dynamo.reset()
     ref_losses, ref_params = _train(
         _step, {k: v.requires_grad_(True) for k, v in _params().items()}, lambda t: t
@@ -87,7 +87,8 @@ def _check_compiled_matches(mode):
     if mode == "eager-env":
         step = torch.compile(_step, backend="vescale")
     else:
-        step = torch.compile(_step, backend="vescale", options={"codegen": mode})
+        options = {"codegen": mode} | ({"dump_dir": dump_root} if dump_root else {})
+        step = torch.compile(_step, backend="vescale", options=options)
     losses, params = _train(step, _dist_params(), _replicated)
     for a, b, c in zip(losses, eager_losses, ref_losses):
         assert abs(a - b) < 1e-5 and abs(a - c) < 1e-5, (losses, eager_losses, ref_losses)
@@ -96,10 +97,20 @@ def _check_compiled_matches(mode):
         assert torch.allclose(params[k], ref_params[k], atol=1e-5), k
 
 
+@pytest.fixture(scope="module")
+def mlp_inductor_dumps(tmp_path_factory):
+    """The dump folder of the MLP compiled with Inductor: written by the [inductor] run of
+    test_compiled_equals_eager_and_single_device, read by test_every_compute_node_has_placements
+    (which compiles it itself only when run without it), so the MLP is compiled with Inductor
+    once per session."""
+    return str(tmp_path_factory.mktemp("mlp_inductor"))
+
+
 @pytest.mark.parametrize("mode", ["inductor", "fx", "eager-env"])
-def test_compiled_equals_eager_and_single_device(pool4, mode):
+def test_compiled_equals_eager_and_single_device(pool4, mode, mlp_inductor_dumps):
     env = {"VESCALE_COMPILE_EAGER": "1"} if mode == "eager-env" else {}
-    pool4.run(_check_compiled_matches, mode, env=env)
+    dumps = mlp_inductor_dumps if mode == "inductor" else None
+    pool4.run(_check_compiled_matches, mode, dumps, env=env)
 
 
 def _check_collectives(dump_root):
@@ -170,11 +181,12 @@ def test_backend_options_validated():
 
 
 def _check_every_node_placed(dump_root):
-    torch._dynamo.reset()
-    x, t = _replicated(torch.randn(6, 8)), _replicated(torch.randn(6, 4))
-    step = torch.compile(_step, backend="vescale", options={"dump_dir": dump_root})  # inductor
-    step(_dist_params(), x, t).backward()
     rank_dir = Path(dump_root) / f"rank{torch.distributed.get_rank()}"
+    if not rank_dir.exists():  # not yet compiled in this session: compile it here
+        torch._dynamo.reset()
+        x, t = _replicated(torch.randn(6, 8)), _replicated(torch.randn(6, 4))
+        step = torch.compile(_step, backend="vescale", options={"dump_dir": dump_root})  # inductor
+        step(_dist_params(), x, t).backward()
     texts = [p.read_text() for p in sorted(rank_dir.glob("graph*/graph.annotate.txt"))]
     assert len(texts) == 2  # forward and backward
     compute = [ln for text in texts for ln in text.splitlines() if " = aten." in ln]
@@ -183,9 +195,8 @@ def _check_every_node_placed(dump_root):
     assert any(" of %" in ln for ln in compute)  # gelu's decomposition inherits gelu's placements
 
 
-def test_every_compute_node_has_placements(pool4):
-    with tempfile.TemporaryDirectory() as root:
-        pool4.run(_check_every_node_placed, root)
+def test_every_compute_node_has_placements(pool4, mlp_inductor_dumps):
+    pool4.run(_check_every_node_placed, mlp_inductor_dumps)
 
 
 # ---- the GPT of the demo on a (dp=2, tp=2) mesh ---------------------------------------------

@@ -43,6 +43,9 @@ def _worker_main(
 ) -> None:
     sys.path[:] = path
     os.environ["OMP_NUM_THREADS"] = "1"
+    # Inductor compiles in this process: no pool of compile subprocesses per rank (each one a
+    # fresh interpreter importing torch) on a machine the ranks already oversubscribe.
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     import torch
     import torch.distributed as dist
 
