@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale._torch_compat import pytree
 from vescale.dtensor import DTensor, Replicate
+from vescale.dtensor.dispatch import explicit_redistribute
 from vescale.plan.program import PlacedProgram
 from vescale.plan.propagate import Placements
 
@@ -35,7 +36,14 @@ def _is_tensor_node(a: Any) -> bool:
 
 def run_program(program: PlacedProgram, *flat: Any) -> tuple[Any, ...]:
     """``program`` on ``flat`` (parameters, buffers, then model arguments, as DTensors in
-    their chosen placements); returns the output leaves in their demanded placements."""
+    their chosen placements); returns the output leaves in their demanded placements. The
+    program inserts its redistributions itself; where eager dispatch still wants another one
+    (its own strategy differs from the chosen one) it is allowed here, explicit mode or not."""
+    with explicit_redistribute(False):
+        return _run(program, flat)
+
+
+def _run(program: PlacedProgram, flat: tuple[Any, ...]) -> tuple[Any, ...]:
     env: dict[torch.fx.Node, Any] = {}
     inputs = iter(flat)
     for node in program.joint.gm.graph.nodes:
