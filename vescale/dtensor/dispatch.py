@@ -7,7 +7,8 @@ C++ fast path and pays nothing. A hooked op runs:
     pre_dispatch_patch* -> (bypass_dispatch | dispatch with bypass_sharding_prop) -> post_dispatch_patch*
 
 Scope: hooks apply to ops with a ``vescale.DTensor`` input; on upstream DTensors the op runs
-as upstream runs it. Likewise vescale-only propagation rules (:func:`vescale_propagation_rule`,
+as upstream runs it. On ranks outside the op's mesh no handler runs (upstream's rule: empty
+local results, no communication) unless it is registered with ``off_mesh=True``. Likewise vescale-only propagation rules (:func:`vescale_propagation_rule`,
 and strategies that consult ``vescale_rules_active()``) apply only while an op with a vescale
 input propagates.
 
@@ -37,6 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale import _patches
@@ -59,9 +61,15 @@ from vescale.dtensor.dtensor import (
     VescaleSpec,
     as_vescale_spec,
     is_vescale_spec,
+    new_dtensor,
     vescale_rules,
 )
-from vescale.dtensor.placement_types import Placement, is_private_partial, spec_placements
+from vescale.dtensor.placement_types import (
+    Placement,
+    Replicate,
+    is_private_partial,
+    spec_placements,
+)
 from vescale.dtensor.redistribute import redistribute_local_tensor
 
 __all__ = [
@@ -104,6 +112,7 @@ _bypass: dict[OpOverload, Handler] = {}
 _pre: dict[OpOverload, list[PrePatch]] = {}
 _post: dict[OpOverload, list[PostPatch]] = {}
 _prop: dict[OpOverload, PropFn] = {}
+_own_off_mesh: set[OpOverload] = set()  # bypass handlers that also run off the op's mesh
 _HANDLERS = "OpDispatcher._custom_op_handlers"
 
 
@@ -145,13 +154,61 @@ def _upstream_op(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     return handler(op, args, kwargs) if handler else python_dispatch(op, args, kwargs)
 
 
+def _op_mesh(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """The mesh of the op's first DTensor input (upstream's compute mesh)."""
+    for a in pytree.tree_leaves((args, kwargs)):
+        if isinstance(a, _UpstreamDTensor):
+            return a.device_mesh
+    return None
+
+
+def _off_mesh(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``op`` on a rank outside its mesh, by upstream's rule (no communication, empty local
+    results) without running a handler: the results are Replicate, with the global shapes and
+    dtypes of ``op`` on meta tensors of the inputs' global shapes (for ops with a propagation
+    bypass, whose output shapes depend on values: of ``op`` on empty inputs); in-place and
+    ``out=`` ops return their DTensor."""
+    mesh = _op_mesh(args, kwargs)
+    empty = op in _prop
+    leaves, tree = pytree.tree_flatten((args, kwargs))
+    own: dict[int, Any] = {}
+    fakes = []
+    for a in leaves:
+        if isinstance(a, torch.Tensor):
+            fake = (
+                torch.empty((0,) * a.ndim, dtype=a.dtype)
+                if empty
+                else torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+            )
+            own[id(fake)] = a
+            a = fake
+        fakes.append(a)
+    f_args, f_kwargs = pytree.tree_unflatten(fakes, tree)
+    out = op(*f_args, **f_kwargs)
+
+    def wrap(o: Any) -> Any:
+        if not isinstance(o, torch.Tensor):
+            return o
+        if id(o) in own:
+            return own[id(o)]
+        meta = TensorMeta(o.shape, o.stride(), o.dtype)
+        spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tensor_meta=meta)
+        local = torch.zeros((), dtype=o.dtype) if o.ndim == 0 else torch.tensor([], dtype=o.dtype)
+        return new_dtensor(local, spec, requires_grad=False)
+
+    return pytree.tree_map(wrap, out)
+
+
 def _scoped(fn: Handler) -> Handler:
-    """``fn`` for ops with a vescale input; upstream's behaviour for all others."""
+    """``fn`` for ops with a vescale input on ranks of the op's mesh (and elsewhere for
+    handlers registered with ``off_mesh=True``); upstream's behaviour for all others."""
 
     def scoped(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if has_vescale_input(args, kwargs):
-            return fn(op, args, kwargs)
-        return _upstream_op(op, args, kwargs)
+        if not has_vescale_input(args, kwargs):
+            return _upstream_op(op, args, kwargs)
+        if op not in _own_off_mesh and not _op_mesh(args, kwargs)._is_current_rank_part_of_mesh():
+            return _off_mesh(op, args, kwargs)
+        return fn(op, args, kwargs)
 
     return scoped
 
@@ -264,9 +321,21 @@ def _unregister(table: dict[OpOverload, Any], op: Any) -> None:
         _reinstall(o)
 
 
-def bypass_dispatch(op: OpOverload | Sequence[OpOverload]) -> Callable[[Handler], Handler]:
-    """``@bypass_dispatch(op)``: ``handler(op, args, kwargs) -> result`` replaces DTensor dispatch."""
-    return lambda fn: _register(_bypass, op, fn, stack=False)
+def bypass_dispatch(
+    op: OpOverload | Sequence[OpOverload], *, off_mesh: bool = False
+) -> Callable[[Handler], Handler]:
+    """``@bypass_dispatch(op)``: ``handler(op, args, kwargs) -> result`` replaces DTensor
+    dispatch. Ranks outside the op's mesh do not run it (they get empty local results and
+    communicate nothing), unless ``off_mesh=True``: the handler then runs there too and must
+    not communicate (e.g. random ops, which advance the generator on every rank)."""
+
+    def register(fn: Handler) -> Handler:
+        _own_off_mesh.difference_update(_ops(op))
+        if off_mesh:
+            _own_off_mesh.update(_ops(op))
+        return _register(_bypass, op, fn, stack=False)  # type: ignore[no-any-return]
+
+    return register
 
 
 def pre_dispatch_patch(op: OpOverload | Sequence[OpOverload]) -> Callable[[PrePatch], PrePatch]:
@@ -287,6 +356,7 @@ def bypass_sharding_prop(op: OpOverload | Sequence[OpOverload]) -> Callable[[Pro
 
 def unregister_bypass_dispatch(op: OpOverload | Sequence[OpOverload]) -> None:
     """Remove ``op``'s bypass handler (upstream behaviour returns)."""
+    _own_off_mesh.difference_update(_ops(op))
     _unregister(_bypass, op)
 
 

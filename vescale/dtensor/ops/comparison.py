@@ -23,7 +23,7 @@ from vescale.dtensor.redistribute import wait_local
 aten = torch.ops.aten
 
 
-@bypass_dispatch(aten.equal.default)
+@bypass_dispatch(aten.equal.default, off_mesh=True)  # no world all-reduce off the mesh
 def equal(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """``torch.equal`` on DTensors (see module docstring)."""
     a, b = args
