@@ -72,7 +72,9 @@ _site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_vescale_site"
 os.environ["PYTHONPATH"] = _site + os.pathsep + os.environ.get("PYTHONPATH", "")
 sys.path.insert(0, _site)
 
-import vescale  # noqa: E402,F401
+from vescale import _patches  # noqa: E402
+
+assert _patches.installed(), "peer_upstream: importing vescale did not install its seam"
 '''
 
 
