@@ -75,6 +75,25 @@ def test_bucket_count_follows_the_cap(cap_mb, expected):
     assert (len(tagged) > 0) == (cap_mb > 0), text
 
 
+def test_all_gathers_bucket_into_one_recorded_collective():
+    """Two independent all-gathers on one group merge into one; the merged collective is
+    Inductor's ``all_gather_into_tensor_out``, recorded like any all-gather (it was not
+    recognized: the bucket pass failed and the graph ran eagerly)."""
+
+    def gather_both(x, y):
+        a = x.redistribute(placements=[Replicate()])
+        b = y.redistribute(placements=[Replicate()])
+        return a * 2 + b
+
+    with fake_world(4):
+        mesh = vescale.init_device_mesh("cpu", (4,))
+        x, y = (vescale.distribute_tensor(torch.randn(8, 6), mesh, [Shard(0)]) for _ in "xy")
+        result = vescale.fx.trace(gather_both, x, y, options={"bucket_cap_mb": 25})
+    gathers = [r for r in result.collectives if r["kind"] == "all_gather"]
+    assert [(r["bytes"], r["bucket"]) for r in gathers] == [(2 * 2 * 6 * 4, 0)], gathers
+    assert result.reports["forward"]["buckets"] == [2]
+
+
 def test_schedule_waits_after_collective_and_before_first_use():
     result = _backward_reductions({"bucket_cap_mb": 0})  # one reduction per gradient
     for gm in (result.forward, result.backward):

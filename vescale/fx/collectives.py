@@ -47,6 +47,7 @@ WAIT_TENSOR = _c10d.wait_tensor.default
 COLLECTIVE_KINDS: dict[Any, str] = {
     _c10d.all_reduce.default: "all_reduce",
     _c10d.all_gather_into_tensor.default: "all_gather",
+    _c10d.all_gather_into_tensor_out.default: "all_gather",  # what a merged bucket issues
     _c10d.reduce_scatter_tensor.default: "reduce_scatter",
     _c10d.all_to_all_single.default: "all_to_all",
     _c10d.broadcast.default: "broadcast",
