@@ -102,6 +102,7 @@ VALIDATION_CASES: Sequence[OpCase] = (
             torch.linalg.vector_norm(x),
             torch.linalg.vector_norm(x, 1, dim=1),
             torch.linalg.vector_norm(x, float("inf"), dim=0),
+            torch.linalg.vector_norm(x, float("-inf")),
             x.norm(3),
         ),
         lambda r, c, g: (_f(g, r, c),),
@@ -110,7 +111,7 @@ VALIDATION_CASES: Sequence[OpCase] = (
     ),
     OpCase(
         "foreach_norm",  # clip_grad_norm_'s reduction: _NormPartial per tensor
-        lambda x, y: tuple(torch._foreach_norm([x, y])),
+        lambda x, y: (*torch._foreach_norm([x, y]), *torch._foreach_norm([x, y], float("inf"))),
         lambda r, c, g: (_f(g, r, c), _f(g, c, r)),
         grad=(0, 1),
         partial=(0, 1),
@@ -202,12 +203,7 @@ PRIVATE_PLACEMENT_OPS = (
 )
 """Upstream ops whose strategies produce private placements, validated with vescale's."""
 
-KNOWN_WRONG: dict[str, str] = {
-    "elementwise_losses": "mse_loss & co. (vescale/dtensor/ops/loss.py) with inputs of "
-    "different layouts, e.g. (Shard(0),) and (Shard(1),) on 4 ranks: wrong value (issue 18)",
-    "vector_norm": "upstream's linalg_vector_norm strategy on a (5, 7) tensor sharded on 4 "
-    "ranks (one empty shard), Shard(0)/Shard(1)/Partial: a collective times out (issue 18)",
-}
+KNOWN_WRONG: dict[str, str] = {}
 """Cases whose wrong answers the validation found and are not fixed yet, with the layout."""
 
 UNREACHED: dict[str, str] = {

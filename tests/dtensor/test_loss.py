@@ -10,7 +10,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import vescale
 from tests.dtensor.reference import mesh_of
-from vescale import Replicate, Shard
+from tests.harness.collectives import count_collectives
+from vescale import Partial, Replicate, Shard
 
 LOSSES = {
     "mse": F.mse_loss,
@@ -53,3 +54,37 @@ def _check_loss(name, shape):
 def test_mean_losses_on_sharded_inputs(pool4, name):
     pool4.run(_check_loss, name, (8, 6))  # even
     pool4.run(_check_loss, name, (7, 5))  # uneven on both dims
+
+
+# (input, target, communicates) layouts that differ on 4 ranks; a Replicate input takes the target's shard
+# locally (upstream's own DTensors get the gradient wrong there)
+MIXED = [
+    ([Replicate()], [Shard(0)], False),
+    ([Shard(0)], [Replicate()], False),
+    ([Shard(0)], [Shard(1)], True),
+    ([Replicate()], [Partial()], True),
+]
+
+
+def _check_mixed_layouts(shape):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64)
+    t = torch.randn(*shape, generator=g, dtype=torch.float64)
+    mesh = mesh_of((4,))
+    for name, fn in LOSSES.items():
+        ref_x = x.clone().requires_grad_(True)
+        ref = fn(ref_x, t)
+        ref.backward()
+        for x_pl, t_pl, communicates in MIXED:
+            dx = vescale.distribute_tensor(x, mesh, x_pl).requires_grad_(True)
+            dt = vescale.distribute_tensor(t, mesh, t_pl)
+            with vescale.dtensor.explicit_redistribute(False), count_collectives() as counts:
+                loss = fn(dx, dt)
+            assert (sum(counts.values()) > 0) is communicates, (name, x_pl, t_pl)
+            loss.backward()
+            torch.testing.assert_close(loss.full_tensor(), ref.detach(), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(dx.grad.full_tensor(), ref_x.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_losses_on_inputs_of_different_layouts(pool4):
+    pool4.run(_check_mixed_layouts, (5, 7))  # uneven, one empty shard of dim 0

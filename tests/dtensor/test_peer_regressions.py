@@ -1,6 +1,7 @@
 """Issue 18's reproducers (found by running PyTorch's and veScale legacy's DTensor tests), each
-against one device: random ops on every placement, the interleaved-view reshape, ranks
-outside a sub-mesh, distributing a non-leaf tensor and deferred init under a device context."""
+against one device: random ops on every placement, the interleaved-view reshape, explicit
+mode on interleaved -> Shard, ranks outside a sub-mesh, distributing a non-leaf tensor and
+deferred init under a device context."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ import torch.nn.functional as F
 
 import vescale
 from tests.dtensor.reference import mesh_of
+from tests.harness.collectives import count_collectives
 from vescale import DeviceMesh, Partial, Replicate, Shard
+from vescale._torch_compat import StridedShard
 from vescale.dtensor import explicit_redistribute
+from vescale.dtensor.dispatch import ImplicitRedistributionError, redistribute_for
+from vescale.dtensor.redistribute import _strided_communicates
 from vescale.initialize import deferred_init, is_deferred, materialize_module
 
 aten = torch.ops.aten
@@ -120,6 +125,51 @@ def _check_interleaved_reshape():
 
 def test_interleaved_reshape_redistributes(pool4):
     pool4.run(_check_interleaved_reshape)
+
+
+# ---- explicit mode sees interleaved -> Shard redistributions ---------------------------------
+
+
+def _check_strided_explicit():
+    """Upstream prices ``_StridedShard -> Shard`` at 0 communication; it all-gathers."""
+    mesh = mesh_of((4,))
+    t = torch.arange(4 * 24 * 30, dtype=torch.float64).reshape(4, 24, 30)
+    dt = vescale.distribute_tensor(t, mesh, [Shard(1)]).reshape(-1, 30)  # InterleavedShard(0, 4)
+    b = vescale.distribute_tensor(torch.ones(96, 30, dtype=torch.float64), mesh, [Shard(0)])
+    with explicit_redistribute(True), pytest.raises(ImplicitRedistributionError) as err:
+        dt + b
+    for part in ("aten.add.Tensor", "_StridedShard(dim=0, sf=4)", "Shard(dim=0)", "DeviceMesh"):
+        assert part in str(err.value), str(err.value)
+    with explicit_redistribute(False), count_collectives() as counts:
+        out = dt + b
+    assert sum(counts.values()) > 0
+    assert torch.equal(out.full_tensor(), t.reshape(-1, 30) + 1)
+    r = vescale.distribute_tensor(t.reshape(-1, 30), mesh, [Replicate()])
+    with explicit_redistribute(True), count_collectives() as counts:  # a local slice: allowed
+        sliced = redistribute_for(aten.add.Tensor, r, dt.placements)
+    assert sum(counts.values()) == 0
+    assert torch.equal(sliced.to_local(), dt.to_local())
+
+
+def test_explicit_mode_sees_interleaved_to_shard(pool4):
+    pool4.run(_check_strided_explicit)
+
+
+@pytest.mark.parametrize(
+    "src,dst,mesh_shape,communicates",
+    [
+        ((StridedShard(0, split_factor=2),), (Shard(0),), (4,), True),
+        ((Shard(0),), (StridedShard(0, split_factor=2),), (4,), True),
+        ((Replicate(),), (StridedShard(0, split_factor=2),), (4,), False),
+        ((StridedShard(0, split_factor=2),), (Shard(0),), (1,), False),
+        ((Shard(0),), (Shard(1),), (4,), False),  # no strided shard: upstream's cost decides
+        # one mesh dim at a time: mesh dim 1 goes to Replicate before mesh dim 0 changes
+        ((Replicate(), StridedShard(0, split_factor=2)), (Shard(1), StridedShard(0, split_factor=2)), (2, 2), True),
+        ((Shard(1), Replicate()), (Shard(1), StridedShard(0, split_factor=2)), (2, 2), False),
+    ],
+)  # fmt: skip
+def test_strided_communicates(src, dst, mesh_shape, communicates):
+    assert _strided_communicates(src, dst, mesh_shape) is communicates
 
 
 # ---- item 4: ranks outside a sub-mesh ------------------------------------------------------

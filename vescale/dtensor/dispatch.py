@@ -70,7 +70,7 @@ from vescale.dtensor.placement_types import (
     is_private_partial,
     spec_placements,
 )
-from vescale.dtensor.redistribute import redistribute_local_tensor
+from vescale.dtensor.redistribute import redistribute_local_tensor, strided_communicates
 
 __all__ = [
     "ImplicitRedistributionError",
@@ -553,7 +553,8 @@ def observe_redistribution(
     """Upstream's observer of implicit redistributions, plus explicit mode for vescale DTensors."""
     if (
         type(src_spec) is VescaleSpec
-        and redistribute_cost(src_spec, dst_spec) > 0  # first: cheap for local slices
+        # first: cheap for local slices; upstream prices strided-shard steps at 0
+        and (redistribute_cost(src_spec, dst_spec) > 0 or strided_communicates(src_spec, dst_spec))
         and explicit_redistribute_enabled()
         and torch._C._current_graph_task_id() == -1  # not inside backward: see module docstring
         and not _dynamo_propagating()

@@ -20,6 +20,7 @@ reduction in one order gives every rank the same bits (two sequential ones need 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from collections.abc import Sequence
@@ -47,6 +48,7 @@ __all__ = [
     "meta_shard",
     "redistribute_local_tensor",
     "replicate_to_partial",
+    "strided_communicates",
     "wait_local",
 ]
 
@@ -174,17 +176,48 @@ def _has_strided(src: DTensorSpec, dst: DTensorSpec) -> bool:
     return any(isinstance(p, StridedShard) for p in (*src.placements, *dst.placements))
 
 
+def _mesh_dim_steps(
+    src: Sequence[Placement], dst: Sequence[Placement]
+) -> list[tuple[int, Placement]]:
+    """The (mesh dim, placement) steps of ``src -> dst`` one mesh dim at a time (module
+    docstring); on a 1-D mesh the one step."""
+    if len(src) == 1:
+        return [(0, dst[0])]
+    first = next(m for m, (s, d) in enumerate(zip(src, dst)) if s != d)
+    steps: list[tuple[int, Placement]] = [
+        (m, Replicate()) for m in reversed(range(first, len(src)))
+    ]
+    return steps + [(m, dst[m]) for m in range(first, len(src))]
+
+
+def strided_communicates(src: DTensorSpec, dst: DTensorSpec) -> bool:
+    """Whether ``src -> dst``, an interleaved (strided) shard involved, moves data between
+    ranks: some step changes a placement other than ``Replicate`` on a mesh dim of more than
+    one rank (upstream's ``redistribute_cost`` prices ``_StridedShard`` steps at 0).
+    ``False`` when no strided shard is involved."""
+    return _strided_communicates(src.placements, dst.placements, tuple(src.mesh.shape))
+
+
+@functools.lru_cache(maxsize=1024)
+def _strided_communicates(
+    src: tuple[Placement, ...], dst: tuple[Placement, ...], mesh_shape: tuple[int, ...]
+) -> bool:
+    if src == dst or not any(isinstance(p, StridedShard) for p in (*src, *dst)):
+        return False
+    cur = list(src)
+    for m, target in _mesh_dim_steps(src, dst):
+        if cur[m] != target and not cur[m].is_replicate() and mesh_shape[m] > 1:
+            return True
+        cur[m] = target
+    return False
+
+
 def _by_mesh_dim(
     local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, async_op: bool
 ) -> torch.Tensor:
     """``src -> dst`` one mesh dim at a time (see the module docstring)."""
-    first = next(m for m, (s, d) in enumerate(zip(src.placements, dst.placements)) if s != d)
     cur = list(src.placements)
-    steps: list[tuple[int, Placement]] = [
-        (m, Replicate()) for m in reversed(range(first, src.mesh.ndim))
-    ]
-    steps += [(m, dst.placements[m]) for m in range(first, src.mesh.ndim)]
-    for m, target in steps:
+    for m, target in _mesh_dim_steps(src.placements, dst.placements):
         if cur[m] != target:
             local = _one_mesh_dim(local, src, cur, m, target, async_op)
             cur[m] = target

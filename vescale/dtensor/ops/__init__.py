@@ -13,6 +13,7 @@ from vescale.dtensor.ops import (
     linear,
     loss,
     negative_dims,
+    norm,
     view,
 )
 
@@ -29,5 +30,6 @@ __all__ = [
     "linear",
     "loss",
     "negative_dims",
+    "norm",
     "view",
 ]

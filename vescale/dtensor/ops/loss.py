@@ -1,11 +1,16 @@
-"""Element-wise losses with ``reduction="mean"`` over a sharded input: the mean of the global
-tensor, forward and backward.
+"""Element-wise losses: operands laid out alike, and ``reduction="mean"`` over a sharded input
+the mean of the global tensor, forward and backward.
 
 Upstream has no strategy for these ops; its fallback runs the local kernel, whose mean
 divides by the *local* element count: the backward is then off by the shard factor and the
-forward is wrong for uneven shards. Here the op runs with ``reduction="sum"`` (a ``Partial``
-sum forward, exact local gradients backward) and the result is scaled by ``1 / numel`` of the
-global input: no communication added, exact for uneven shards.
+forward is wrong for uneven shards; on operands of different layouts (a Replicate input, a
+sharded target) its gradients are wrong too, also on upstream's own DTensors. Here every
+operand of the input's shape (input, target, weight, per-element gradient) is first laid
+out as one common layout: per mesh dim the first ``Shard`` among them (input first), else
+``Replicate`` (a Replicate operand is then sliced locally; a Partial one, the loss being
+nonlinear, is reduced; explicit mode applies). Then ``mean`` over a sharded input runs with
+``reduction="sum"`` (a ``Partial`` sum forward, exact local gradients backward) scaled by
+``1 / numel`` of the global input: exact for uneven shards.
 """
 
 from __future__ import annotations
@@ -67,17 +72,31 @@ def _sharded(t: object) -> bool:
     )
 
 
+def _common_layout(layouts: list[tuple[Placement, ...]]) -> list[Placement]:
+    """Per mesh dim, the first ``Shard`` of ``layouts``, else ``Replicate``."""
+    return [next((p for p in dim if p.is_shard()), Replicate()) for dim in zip(*layouts)]
+
+
 @bypass_dispatch(ELEMENTWISE_LOSSES)
 def global_mean_loss(
     op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """``op`` with its mean taken over the global input (see module docstring)."""
+    """``op`` on operands laid out alike, its mean over the global input (module docstring)."""
     names = [a.name for a in op._schema.arguments]
     bound = _bind(op, args, kwargs)
-    inp = bound[names.index("self")]
-    r = names.index("reduction")
-    if bound[r] != MEAN or not _sharded(inp):
+    self_i = names.index("self")
+    inp = bound[self_i]
+    if not isinstance(inp, _UpstreamDTensor):
         return python_dispatch(op, args, kwargs)
+    alike = [
+        i for i, a in enumerate(bound) if isinstance(a, _UpstreamDTensor) and a.shape == inp.shape
+    ]
+    layout = _common_layout([tuple(bound[i].placements) for i in alike])
+    for i in alike:
+        bound[i] = redistribute_for(op, bound[i], layout)
+    r = names.index("reduction")
+    if bound[r] != MEAN or not _sharded(bound[self_i]):
+        return python_dispatch(op, tuple(bound), {})
     bound[r] = SUM
     return python_dispatch(op, tuple(bound), {}) * (1.0 / inp.numel())
 
