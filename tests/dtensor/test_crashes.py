@@ -86,3 +86,22 @@ def test_meta_mesh_ops_without_redistribution():
         assert tuple(y._local_tensor.shape) == (3, 5) and y._local_tensor.is_meta
         assert s.placements == (Partial(),) and s._local_tensor.is_meta
         assert sum(counts.values()) == 0, dict(counts)
+
+
+def test_meta_mesh_implicit_redistribution_through_ops():
+    """Ops whose strategy redistributes an input (matmul of two row shards, an add of a
+    row and a column shard, a Partial input to a nonlinear op) plan on a meta mesh: meta
+    results of the single-device shapes, this rank's shard shapes, no collective."""
+    with fake_world(4, 3):
+        mesh = vescale.DeviceMesh("meta", [0, 1, 2, 3])
+        x = vescale.distribute_tensor(torch.empty(10, 6, device="meta"), mesh, [Shard(0)])
+        w = vescale.distribute_tensor(torch.empty(6, 5, device="meta"), mesh, [Shard(0)])
+        c = vescale.distribute_tensor(torch.empty(10, 6, device="meta"), mesh, [Shard(1)])
+        p = vescale.distribute_tensor(torch.empty(10, 6, device="meta"), mesh, [Partial()])
+        with vescale.dtensor.explicit_redistribute(False), count_collectives() as counts:
+            outs = [x @ w, x + c, p.exp()]
+        assert sum(counts.values()) == 0, dict(counts)
+        for out, shape in zip(outs, [(10, 5), (10, 6), (10, 6)]):
+            assert tuple(out.shape) == shape and out._local_tensor.is_meta
+            want = expected_local(torch.empty(shape), (4,), (3,), out.placements).shape
+            assert tuple(out._local_tensor.shape) == tuple(want), out.placements

@@ -603,8 +603,10 @@ def redistribute_for_dispatch(
     planner refuses) and any involving an interleaved (strided) shard go through vescale's
     planner; everything else, and every step to or from a private partial placement such
     as upstream's ``_MaskPartial`` (whose reduction masks and offsets an index), is
-    upstream's."""
-    if type(src) is VescaleSpec and _vescale_plans(src.placements, dst.placements):
+    upstream's. On a meta mesh every step is vescale's: shapes only, no communication."""
+    if type(src) is VescaleSpec and (
+        src.mesh.device_type == "meta" or _vescale_plans(src.placements, dst.placements)
+    ):
         return redistribute_local_tensor(local, src, dst, async_op=kwargs.get("async_op", False))
     return _upstream_dispatch_redistribute(local, src, dst, **kwargs)  # type: ignore[no-any-return]
 
