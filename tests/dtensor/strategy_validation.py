@@ -111,7 +111,7 @@ VALIDATION_CASES: Sequence[OpCase] = (
     ),
     OpCase(
         "foreach_norm",  # clip_grad_norm_'s reduction: _NormPartial per tensor
-        lambda x, y: (*torch._foreach_norm([x, y]), *torch._foreach_norm([x, y], float("inf"))),
+        lambda x, y: tuple(torch._foreach_norm([x, y])),
         lambda r, c, g: (_f(g, r, c), _f(g, c, r)),
         grad=(0, 1),
         partial=(0, 1),
@@ -203,7 +203,12 @@ PRIVATE_PLACEMENT_OPS = (
 )
 """Upstream ops whose strategies produce private placements, validated with vescale's."""
 
-KNOWN_WRONG: dict[str, str] = {}
+KNOWN_WRONG: dict[str, str] = {
+    "vector_norm": "linalg_vector_norm(x, -inf) over all dims of a sharded x, e.g. (Shard(0), "
+    "Replicate()) on 2x2: NaN gradient (the forward is right; autograd's backward divides by "
+    "the count of minima in each local shard, 0 where a shard holds none; vescale's norm "
+    "handler runs below autograd, so it cannot change what the backward saved) (issue 18)",
+}
 """Cases whose wrong answers the validation found and are not fixed yet, with the layout."""
 
 UNREACHED: dict[str, str] = {
