@@ -53,7 +53,10 @@ def _order(gm) -> list[str]:
 
 
 def _group() -> str:
-    return dist.group.WORLD.group_name  # type: ignore[union-attr]
+    """A new group of both ranks: no mesh of an earlier test can own it, so collectives on it
+    are labelled "group" whatever ran before in this process (the world group is mesh dim 0
+    of any 1-D world mesh still alive)."""
+    return dist.new_group([0, 1]).group_name  # type: ignore[union-attr]
 
 
 def _reads_inflight_directly(group):
