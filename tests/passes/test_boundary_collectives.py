@@ -53,10 +53,22 @@ def _order(gm) -> list[str]:
 
 
 def _group() -> str:
-    """A new group of both ranks: no mesh of an earlier test can own it, so collectives on it
-    are labelled "group" whatever ran before in this process (the world group is mesh dim 0
-    of any 1-D world mesh still alive)."""
+    """A new group of both ranks, which no mesh owns: collectives on it are labelled "group"."""
     return dist.new_group([0, 1]).group_name  # type: ignore[union-attr]
+
+
+def test_meshes_of_an_earlier_world_label_nothing():
+    """A mesh kept alive past ``destroy_process_group`` names groups whose names the next
+    world reuses; it must not label that world's collectives (the fingerprint below read
+    "over mesh dim 0" after other tests in the same process)."""
+    from vescale.dtensor.device_mesh import known_meshes
+
+    with fake_world(2):
+        old = vescale.init_device_mesh("cpu", (2,))
+        assert any(m is old for m in known_meshes())
+    with fake_world(2):
+        assert not any(m is old for m in known_meshes())
+    test_passes_keep_unwaited_output_and_inflight_input()  # with ``old`` still alive
 
 
 def _reads_inflight_directly(group):

@@ -16,18 +16,24 @@ from vescale.dtensor.redistribute import flatten_mesh_dims
 
 __all__ = ["DeviceMesh", "as_vescale_mesh", "init_device_mesh", "known_meshes"]
 
-_meshes: list[weakref.ref[Any]] = []
+_meshes: list[tuple[weakref.ref[Any], Any]] = []  # (mesh, the world it was built in)
+
+
+def _world() -> Any:
+    return dist.group.WORLD if dist.is_initialized() else None
 
 
 def register_mesh(mesh: Any) -> None:
     """Remember ``mesh`` (weakly) so reports can name the mesh dim of a process group."""
-    _meshes[:] = [r for r in _meshes if r() is not None]
-    _meshes.append(weakref.ref(mesh))
+    _meshes[:] = [(r, w) for r, w in _meshes if r() is not None]
+    _meshes.append((weakref.ref(mesh), _world()))
 
 
 def known_meshes() -> list[Any]:
-    """Every live vescale mesh."""
-    return [m for r in _meshes if (m := r()) is not None]
+    """Every live vescale mesh of the current process-group world (a mesh built before
+    ``destroy_process_group`` may name groups whose names the new world reuses)."""
+    world = _world()
+    return [m for r, w in _meshes if w is world and (m := r()) is not None]
 
 
 class DeviceMesh(_UpstreamDeviceMesh):
