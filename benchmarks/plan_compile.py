@@ -23,22 +23,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import gpt
+from plan_gpt import BATCH, PLAN  # the example's plan: one copy
 
 import vescale
-from vescale import Replicate, Shard
 from vescale.ddp import DistributedDataParallel
 from vescale.plan import AlphaBeta, calibrate
 
-PLAN = {
-    "blocks.*.attn.[qkv].weight": {"tp": Shard(0)},
-    "blocks.*.mlp.fc.weight": {"tp": Shard(0)},
-    "blocks.*.*.proj.weight": {"tp": Shard(1)},
-    "tok.weight": (Replicate(), Replicate()),
-    "pos.weight": (Replicate(), Replicate()),
-    "head.weight": {"tp": Shard(0)},
-}
-BATCH = {"dp": Shard(0)}
-FIXED = AlphaBeta((20e-6, 20e-6), (1e-9, 1e-9), 1e-10)
+FIXED = AlphaBeta((20e-6, 20e-6), (1e-9, 1e-9), 1e-10)  # as tests/plan/gpt_cases.py
 
 
 def _step(model: torch.nn.Module, *inputs: torch.Tensor) -> float:
