@@ -280,14 +280,14 @@ def test_gpt_collectives_match_eager(pool4):
 
 def _eager_only_tanh_backward(op, args, kwargs):
     """A user's dispatch hook that works eagerly; ``.numpy()`` cannot be traced."""
-    from vescale.dtensor.dispatch import python_dispatch
+    from vescale.dtensor.hooks import python_dispatch
 
     assert args[0]._local_tensor.detach().numpy() is not None
     return python_dispatch(op, args, kwargs)
 
 
 def _check_uncapturable_graph_falls_back():
-    from vescale.dtensor.dispatch import bypass_dispatch, unregister_bypass_dispatch
+    from vescale.dtensor.hooks import bypass_dispatch, unregister_bypass_dispatch
 
     mesh = mesh_of((4,))
     x = torch.randn(8, 6, dtype=torch.float64)

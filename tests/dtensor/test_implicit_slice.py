@@ -10,14 +10,14 @@ import vescale
 from tests.harness import local_world
 from tests.harness.collectives import count_collectives
 from vescale import Replicate, Shard
-from vescale.dtensor import dispatch
+from vescale.dtensor import explicit, implicit_redistribute
 
 
 def test_mixed_placement_add_slices_locally_without_explicit_check(monkeypatch):
     consulted = []
-    real = dispatch.explicit_redistribute_enabled
+    real = explicit.explicit_redistribute_enabled
     monkeypatch.setattr(
-        dispatch, "explicit_redistribute_enabled", lambda: consulted.append(1) or real()
+        explicit, "explicit_redistribute_enabled", lambda: consulted.append(1) or real()
     )
     a = torch.randn(8, 6, dtype=torch.float64)
     b = torch.randn(8, 6, dtype=torch.float64)
@@ -25,7 +25,7 @@ def test_mixed_placement_add_slices_locally_without_explicit_check(monkeypatch):
         mesh = vescale.init_device_mesh("cpu", (2,))
         x = vescale.distribute_tensor(a, mesh, [Shard(0)])
         y = vescale.distribute_tensor(b, mesh, [Replicate()])
-        dispatch._vescale_plans.cache_clear()
+        implicit_redistribute._vescale_plans.cache_clear()
         with vescale.dtensor.explicit_redistribute(True), count_collectives() as counts:
             out = x + y
             out2 = x * y
@@ -34,5 +34,5 @@ def test_mixed_placement_add_slices_locally_without_explicit_check(monkeypatch):
     assert torch.equal(full, a + b) and torch.equal(full2, a * b)
     assert dict(counts) == {}
     assert consulted == []  # a local slice never needs explicit mode's verdict
-    info = dispatch._vescale_plans.cache_info()
+    info = implicit_redistribute._vescale_plans.cache_info()
     assert info.misses == 1 and info.hits >= 1, info  # the planner choice is asked once

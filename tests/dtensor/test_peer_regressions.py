@@ -17,7 +17,7 @@ from tests.harness.collectives import count_collectives
 from vescale import DeviceMesh, Partial, Replicate, Shard
 from vescale._torch_compat import StridedShard
 from vescale.dtensor import explicit_redistribute
-from vescale.dtensor.dispatch import ImplicitRedistributionError, redistribute_for
+from vescale.dtensor.explicit import ImplicitRedistributionError, redistribute_for
 from vescale.dtensor.redistribute import _strided_communicates
 from vescale.initialize import deferred_init, is_deferred, materialize_module
 

@@ -35,7 +35,7 @@ __all__ = [
 
 from vescale.dtensor import ops  # noqa: F401  (registers vescale op behaviour)
 from vescale.dtensor._utils import allclose, equal
-from vescale.dtensor.dispatch import explicit_redistribute
+from vescale.dtensor.explicit import explicit_redistribute
 from vescale.dtensor.factory import arange, empty, full, ones, rand, randn, zeros
 
 __all__ += [

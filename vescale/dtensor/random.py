@@ -49,8 +49,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale._torch_compat import DTensorSpec, TensorMeta
-from vescale.dtensor.dispatch import bypass_dispatch
 from vescale.dtensor.dtensor import new_dtensor
+from vescale.dtensor.hooks import bypass_dispatch
 from vescale.dtensor.layout import contiguous_strides, local_indices
 from vescale.dtensor.placement_types import Partial, Replicate
 from vescale.dtensor.redistribute import replicate_to_partial, wait_local
@@ -398,7 +398,7 @@ def _fill_values(
 def _probabilities(op: torch._ops.OpOverload, p: Any, spec: Any, indices: Indices | None) -> Any:
     """``bernoulli_``'s probabilities at ``indices`` (all of them, broadcast, for ``None``):
     a DTensor laid out like the output is used locally, any other is replicated."""
-    from vescale.dtensor.dispatch import redistribute_for
+    from vescale.dtensor.explicit import redistribute_for
 
     if not isinstance(p, _UpstreamDTensor):
         full = torch.as_tensor(p).expand(spec.shape)

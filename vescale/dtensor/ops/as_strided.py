@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from vescale.dtensor.dispatch import bypass_dispatch
 from vescale.dtensor.dtensor import new_dtensor
+from vescale.dtensor.hooks import bypass_dispatch
 from vescale.dtensor.placement_types import Placement, Shard, make_spec
 
 __all__ = ["as_strided_view"]

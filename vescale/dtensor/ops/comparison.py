@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale.dtensor.dispatch import bypass_dispatch, python_dispatch, redistribute_for
+from vescale.dtensor.explicit import redistribute_for
+from vescale.dtensor.hooks import bypass_dispatch, python_dispatch
 from vescale.dtensor.placement_types import Replicate
 from vescale.dtensor.redistribute import wait_local
 

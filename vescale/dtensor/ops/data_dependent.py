@@ -22,13 +22,9 @@ from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale._torch_compat import DTensorSpec, OpSchema
 from vescale.dtensor.api import from_local, wait_local
-from vescale.dtensor.dispatch import (
-    bypass_dispatch,
-    bypass_sharding_prop,
-    python_dispatch,
-    redistribute_for,
-)
 from vescale.dtensor.dtensor import wrap_local
+from vescale.dtensor.explicit import redistribute_for
+from vescale.dtensor.hooks import bypass_dispatch, bypass_sharding_prop, python_dispatch
 from vescale.dtensor.placement_types import Placement, Replicate
 
 __all__ = ["replicate_only", "sharded_unique"]

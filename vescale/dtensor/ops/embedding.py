@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale.dtensor.api import wait_local
-from vescale.dtensor.dispatch import bypass_dispatch, python_dispatch, redistribute_for
 from vescale.dtensor.dtensor import wrap_local
+from vescale.dtensor.explicit import redistribute_for
+from vescale.dtensor.hooks import bypass_dispatch, python_dispatch
 from vescale.dtensor.layout import contiguous_shards, local_range, sharding_mesh_dims
 from vescale.dtensor.placement_types import Partial, Placement, Replicate, Shard
 

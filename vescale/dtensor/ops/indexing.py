@@ -34,12 +34,8 @@ from vescale._torch_compat import (
     expand_to_full_mesh_op_strategy,
 )
 from vescale.dtensor.api import from_local
-from vescale.dtensor.dispatch import (
-    bypass_dispatch,
-    pre_dispatch_patch,
-    python_dispatch,
-    redistribute_for,
-)
+from vescale.dtensor.explicit import redistribute_for
+from vescale.dtensor.hooks import bypass_dispatch, pre_dispatch_patch, python_dispatch
 from vescale.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from vescale.dtensor.redistribute import wait_local
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from vescale._torch_compat import DTensorSpec, OpSchema, OutputSharding, TensorMeta
-from vescale.dtensor.dispatch import vescale_propagation_rule
 from vescale.dtensor.ops._registry import PROPAGATOR
+from vescale.dtensor.propagation import vescale_propagation_rule
 
 __all__ = ["PLACEMENT_PRESERVING_OPS"]
 

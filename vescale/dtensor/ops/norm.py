@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale.dtensor.dispatch import bypass_dispatch, python_dispatch, redistribute_for
+from vescale.dtensor.explicit import redistribute_for
+from vescale.dtensor.hooks import bypass_dispatch, python_dispatch
 from vescale.dtensor.placement_types import Replicate
 
 __all__ = ["INF_NORMS", "inf_norm_on_whole_rows"]

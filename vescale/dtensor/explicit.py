@@ -1,0 +1,148 @@
+"""Explicit mode: implicit redistributions that communicate are errors.
+
+On by default (``VESCALE_DISABLE_REDISTRIBUTE``, default ``"1"``; or
+:func:`explicit_redistribute` in a scope): an op whose vescale inputs would need a
+redistribution that communicates raises :class:`ImplicitRedistributionError` naming the op,
+the input placements and the placements the strategy wanted (upstream DTensors keep
+upstream's implicit redistribution). Local steps (e.g. Replicate -> Shard) stay allowed;
+explicit ``redistribute()`` calls always are. The rule covers the forward, the code users
+write: inside backward (the autograd engine running, eager or while AOTAutograd traces it) a
+redistribution is the adjoint of a layout the forward chose (e.g. the all-reduce of a
+column-parallel input's ``Partial`` gradient, or of cross-entropy's total weight) and no user
+code could annotate it, so it is allowed; compiled graphs still list it in
+``collectives.json`` with its reason.
+
+:func:`observe_redistribution` replaces upstream's observer; it is installed by
+``vescale._patches``, the one module that changes torch objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor as _UpstreamDTensor
+
+from vescale._torch_compat import (
+    DTensorSpec,
+    ExplicitRedistributionContext,
+    get_proxy_mode,
+    redistribute_cost,
+)
+from vescale.dtensor import api
+from vescale.dtensor.dtensor import VescaleSpec
+from vescale.dtensor.placement_types import Placement, spec_placements
+from vescale.dtensor.redistribute import strided_communicates
+
+__all__ = [
+    "ImplicitRedistributionError",
+    "explicit_redistribute",
+    "explicit_redistribute_enabled",
+    "observe_redistribution",
+    "redistribute_for",
+]
+
+OpOverload = torch._ops.OpOverload
+
+_explicit = threading.local()
+
+
+def explicit_redistribute_enabled() -> bool:
+    """Whether implicit redistribution is forbidden here (context manager, else env var)."""
+    value = getattr(_explicit, "enabled", None)
+    if value is None:
+        return os.environ.get("VESCALE_DISABLE_REDISTRIBUTE", "1") != "0"
+    return bool(value)
+
+
+@contextlib.contextmanager
+def explicit_redistribute(enabled: bool = True) -> Iterator[None]:
+    """Forbid (``True``) or allow (``False``) implicit redistribution in this scope and thread,
+    overriding ``VESCALE_DISABLE_REDISTRIBUTE``."""
+    prev = getattr(_explicit, "enabled", None)
+    _explicit.enabled = enabled
+    try:
+        yield
+    finally:
+        _explicit.enabled = prev
+
+
+def _op_of(msg: Any) -> str:
+    """The op named by upstream's lazy message (an OpSchema, or the op on the C++ fast path)."""
+    subject = getattr(msg, "args", (None,))[0]
+    return str(subject if isinstance(subject, OpOverload) else getattr(subject, "op", subject))
+
+
+class ImplicitRedistributionError(RuntimeError):
+    """An op needed a communicating redistribution while explicit mode was on."""
+
+
+def _traced_user_line() -> str:
+    """`` at file.py:line`` of the user code whose graph node AOTAutograd is tracing, if any
+    (the check is deferred past Dynamo's own pass, see ``_dynamo_propagating``)."""
+    from vescale.fx.collectives import user_line_of_stack
+
+    meta = torch.fx.traceback.get_current_meta() or {}
+    line = user_line_of_stack(meta.get("stack_trace") or "")
+    return f" at {line}" if line else ""
+
+
+def _dynamo_propagating() -> bool:
+    """Dynamo's fake-tensor pass over the user frame (compiling, no proxy tracer yet).
+
+    The check is deferred from it to the pass that follows with the same dispatch: the
+    vescale backend's AOT trace, where its ``explicit`` option is in effect (other backends:
+    AOT tracing, or eager dispatch at run time)."""
+    return torch.compiler.is_compiling() and get_proxy_mode() is None
+
+
+_upstream_observe = ExplicitRedistributionContext.observe_redistribution
+
+
+def observe_redistribution(
+    cls: type, src_spec: DTensorSpec, dst_spec: DTensorSpec, redistribution_msg: Any
+) -> None:
+    """Upstream's observer of implicit redistributions, plus explicit mode for vescale DTensors."""
+    if (
+        type(src_spec) is VescaleSpec
+        # first: cheap for local slices; upstream prices strided-shard steps at 0
+        and (redistribute_cost(src_spec, dst_spec) > 0 or strided_communicates(src_spec, dst_spec))
+        and explicit_redistribute_enabled()
+        and torch._C._current_graph_task_id() == -1  # not inside backward: see module docstring
+        and not _dynamo_propagating()
+    ):
+        op = _op_of(redistribution_msg)
+        raise ImplicitRedistributionError(
+            f"{op}{_traced_user_line()}: implicit redistribution of an input from {tuple(src_spec.placements)} to "
+            f"{tuple(dst_spec.placements)} on {src_spec.mesh} (global shape "
+            f"{tuple(src_spec.shape)}) is forbidden: explicit mode is on "
+            f"(VESCALE_DISABLE_REDISTRIBUTE=1). Call .redistribute(placements="
+            f"{list(dst_spec.placements)}) on it first, or allow it with "
+            f"vescale.dtensor.explicit_redistribute(False)."
+        )
+    _upstream_observe(src_spec, dst_spec, redistribution_msg)
+
+
+def redistribute_for(op: OpOverload, t: _UpstreamDTensor, placements: Sequence[Placement]) -> Any:
+    """``t`` redistributed to ``placements`` on behalf of ``op`` (an op handler's implicit
+    redistribution): explicit mode checks it exactly like the strategies' own."""
+    placements = tuple(placements)
+    if tuple(t.placements) == placements:
+        return t
+    dst = DTensorSpec(t.device_mesh, spec_placements(placements), tensor_meta=t._spec.tensor_meta)
+    ExplicitRedistributionContext.observe_redistribution(t._spec, dst, _OpMessage(op))  # type: ignore[arg-type]
+    return api.redistribute_dtensor(t, t.device_mesh, placements, async_op=False)
+
+
+class _OpMessage:
+    """The lazy redistribution message upstream's observer expects: names ``op``."""
+
+    def __init__(self, op: OpOverload) -> None:
+        self.args = (op,)
+
+    def __str__(self) -> str:
+        return f"{self.args[0]}: redistribution of an input"

@@ -1,0 +1,274 @@
+"""Dispatch hooks: per-op handlers and patches for ops with a vescale input.
+
+Hooks live in upstream's per-op handler table (``OpDispatcher._custom_op_handlers``), which
+the C++ dispatcher consults for every op: an op without a vescale hook keeps upstream's
+C++ fast path and pays nothing. A hooked op runs:
+
+    pre_dispatch_patch* -> (bypass_dispatch | dispatch with bypass_sharding_prop) -> post_dispatch_patch*
+
+Scope: hooks apply to ops with a ``vescale.DTensor`` input; on upstream DTensors the op runs
+as upstream runs it. On ranks outside the op's mesh no handler runs (upstream's rule: empty
+local results, no communication, :mod:`vescale.dtensor.off_mesh`) unless it is registered
+with ``off_mesh=True``. Likewise vescale-only propagation rules
+(:func:`~vescale.dtensor.propagation.vescale_propagation_rule`, and strategies that consult
+``vescale_rules_active()``) apply only while an op with a vescale input propagates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor as _UpstreamDTensor
+
+from vescale import _patches
+from vescale._torch_compat import (
+    DTensorSpec,
+    OpSchema,
+    OutputSharding,
+    TensorMeta,
+    compute_global_tensor_info,
+    return_and_correct_aliasing,
+)
+from vescale.dtensor.dtensor import DTensor
+from vescale.dtensor.off_mesh import off_mesh_result, op_mesh
+from vescale.dtensor.placement_types import Placement
+from vescale.dtensor.propagation import mark_vescale, op_list
+
+__all__ = [
+    "_bypass_for_dispatch",
+    "_bypass_for_sharding_prop",
+    "_post_patch_for_dispatch",
+    "_pre_patch_for_dispatch",
+    "bypass_dispatch",
+    "bypass_sharding_prop",
+    "has_vescale_input",
+    "post_dispatch_patch",
+    "pre_dispatch_patch",
+    "python_dispatch",
+    "unregister_bypass_dispatch",
+    "unregister_bypass_sharding_prop",
+    "unregister_post_dispatch_patch",
+    "unregister_pre_dispatch_patch",
+]
+
+OpOverload = torch._ops.OpOverload
+Handler = Callable[[OpOverload, tuple[Any, ...], dict[str, Any]], Any]
+PrePatch = Callable[
+    [OpOverload, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]
+]
+PostPatch = Callable[[OpOverload, Any], Any]
+PropFn = Callable[[OpSchema], Any]
+
+_dispatcher = _UpstreamDTensor._op_dispatcher
+_handlers: dict[OpOverload, Any] = _dispatcher._custom_op_handlers
+_upstream_handlers: dict[OpOverload, Any] = dict(_handlers)
+
+_bypass: dict[OpOverload, Handler] = {}
+_pre: dict[OpOverload, list[PrePatch]] = {}
+_post: dict[OpOverload, list[PostPatch]] = {}
+_prop: dict[OpOverload, PropFn] = {}
+_own_off_mesh: set[OpOverload] = set()  # bypass handlers that also run off the op's mesh
+_HANDLERS = "OpDispatcher._custom_op_handlers"
+
+
+def _reinstall(op: OpOverload) -> None:
+    """Point the upstream handler table (through the seam) at the composition of ``op``'s
+    hooks, scoped to ops with a vescale input."""
+    if not (op in _bypass or op in _pre or op in _post or op in _prop):
+        _patches.restore_entry(_handlers, op)
+        return
+    fn = _bypass[op] if op in _bypass and op not in _pre and op not in _post else _hooked
+    why = "vescale hooks (ops with a vescale.DTensor input)"
+    _patches.set_entry(_handlers, _HANDLERS, op, _outside_dynamo(_scoped(fn)), why)
+
+
+def has_vescale_input(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether an op's arguments include a ``vescale.DTensor`` (directly or in a list)."""
+    for a in args:
+        if isinstance(a, DTensor):
+            return True
+        if isinstance(a, list | tuple) and any(isinstance(x, DTensor) for x in a):
+            return True
+    return any(isinstance(v, DTensor) for v in kwargs.values())
+
+
+def _upstream_op(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``op`` as upstream runs it: its own handler, else its dispatch steps."""
+    handler = _upstream_handlers.get(op)
+    return handler(op, args, kwargs) if handler else python_dispatch(op, args, kwargs)
+
+
+def _scoped(fn: Handler) -> Handler:
+    """``fn`` for ops with a vescale input on ranks of the op's mesh (and elsewhere for
+    handlers registered with ``off_mesh=True``); upstream's behaviour for all others."""
+
+    def scoped(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not has_vescale_input(args, kwargs):
+            return _upstream_op(op, args, kwargs)
+        if op not in _own_off_mesh and not op_mesh(args, kwargs)._is_current_rank_part_of_mesh():
+            return off_mesh_result(op, args, kwargs, data_dependent=op in _prop)
+        return fn(op, args, kwargs)
+
+    return scoped
+
+
+def _outside_dynamo(fn: Handler) -> Handler:
+    """``fn`` run as plain Python even while a compiled function executes: Dynamo would
+    otherwise compile a handler's own frames (vescale is not on its skip list) when an op
+    runs eagerly inside a ``torch.compile`` call, e.g. around a graph break."""
+    return torch.compiler.disable(fn, recursive=True)  # type: ignore[no-any-return]
+
+
+@torch.compiler.disable(recursive=True)
+def _hooked(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    for pre in _pre.get(op, ()):
+        args, kwargs = pre(op, args, kwargs)
+    if op in _bypass:
+        out = _bypass[op](op, args, kwargs)
+    elif op in _prop or op not in _upstream_handlers:
+        out = python_dispatch(op, args, kwargs, _prop.get(op))
+    else:
+        out = _upstream_handlers[op](op, args, kwargs)
+    for post in _post.get(op, ()):
+        out = post(op, out)
+    return out
+
+
+def _meta_from_local(local: Any, spec: DTensorSpec) -> DTensorSpec:
+    if spec.tensor_meta is not None or not isinstance(local, torch.Tensor):
+        return spec
+    shape, stride = compute_global_tensor_info(local, spec.mesh, spec.placements)
+    meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+    return DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
+
+
+def _as_output_spec(out: Any, mesh: Any) -> Any:
+    if out is None or isinstance(out, DTensorSpec):
+        return out
+    if isinstance(out, list | tuple) and out and all(isinstance(p, Placement) for p in out):
+        return DTensorSpec(mesh, tuple(out))
+    if isinstance(out, list | tuple):
+        return tuple(_as_output_spec(o, mesh) for o in out)
+    raise TypeError(f"bypass_sharding_prop: expected placements or DTensorSpec(s), got {out!r}")
+
+
+def python_dispatch(
+    op: OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    propagate: PropFn | None = None,
+) -> Any:
+    """Upstream's dispatch steps in Python; ``propagate(op_schema)`` replaces the strategy
+    search when given (its specs may omit tensor meta: it is then taken from the local result,
+    assuming even shards)."""
+    op_info = _dispatcher.unwrap_to_op_info(op, args, kwargs)
+    mesh, schema = op_info.compute_mesh, op_info.schema
+    assert schema is not None  # unwrap_to_op_info always builds the schema
+    if propagate is None:
+        _dispatcher.sharding_propagator.propagate(op_info)
+    else:
+        out_spec = _as_output_spec(propagate(schema), mesh)
+        if has_vescale_input(args, kwargs):
+            out_spec = mark_vescale(out_spec)
+        op_info.output_sharding = OutputSharding(out_spec)
+    local: Any = _dispatcher._dispatch_get_local_results_slow_path(op, args, op_info)
+    sharding = op_info.output_sharding
+    assert sharding is not None
+    if propagate is not None:
+        spec = sharding.output_spec
+        if isinstance(spec, DTensorSpec):
+            sharding.output_spec = _meta_from_local(local, spec)
+        elif isinstance(spec, tuple):
+            sharding.output_spec = tuple(
+                _meta_from_local(r, s) if isinstance(s, DTensorSpec) else s
+                for r, s in zip(local, spec)
+            )
+    participating = mesh._is_current_rank_part_of_mesh()
+    inplace, out_variant = schema.is_inplace_op(), schema.is_out_variant_op()
+    if sharding.output_spec is None or inplace or out_variant:
+        return _dispatcher._dispatch_fast_path_python_tail(
+            op, args, kwargs, mesh, sharding, local, participating, inplace, out_variant
+        )
+    out = _dispatcher.wrap(local, sharding.output_spec)
+    if participating and op._schema._is_view_op():
+        return return_and_correct_aliasing(op, args, kwargs, out)
+    return out
+
+
+def _register(table: dict[OpOverload, Any], op: Any, fn: Any, *, stack: bool) -> Any:
+    for o in op_list(op):
+        if stack:
+            table.setdefault(o, []).append(fn)
+        else:
+            table[o] = fn
+        _reinstall(o)
+    return fn
+
+
+def _unregister(table: dict[OpOverload, Any], op: Any) -> None:
+    for o in op_list(op):
+        table.pop(o, None)
+        _reinstall(o)
+
+
+def bypass_dispatch(
+    op: OpOverload | Sequence[OpOverload], *, off_mesh: bool = False
+) -> Callable[[Handler], Handler]:
+    """``@bypass_dispatch(op)``: ``handler(op, args, kwargs) -> result`` replaces DTensor
+    dispatch. Ranks outside the op's mesh do not run it (they get empty local results and
+    communicate nothing), unless ``off_mesh=True``: the handler then runs there too and must
+    not communicate (e.g. random ops, which advance the generator on every rank)."""
+
+    def register(fn: Handler) -> Handler:
+        _own_off_mesh.difference_update(op_list(op))
+        if off_mesh:
+            _own_off_mesh.update(op_list(op))
+        return _register(_bypass, op, fn, stack=False)  # type: ignore[no-any-return]
+
+    return register
+
+
+def pre_dispatch_patch(op: OpOverload | Sequence[OpOverload]) -> Callable[[PrePatch], PrePatch]:
+    """``@pre_dispatch_patch(op)``: ``fn(op, args, kwargs) -> (args, kwargs)`` runs before dispatch."""
+    return lambda fn: _register(_pre, op, fn, stack=True)
+
+
+def post_dispatch_patch(op: OpOverload | Sequence[OpOverload]) -> Callable[[PostPatch], PostPatch]:
+    """``@post_dispatch_patch(op)``: ``fn(op, out) -> out`` runs after dispatch."""
+    return lambda fn: _register(_post, op, fn, stack=True)
+
+
+def bypass_sharding_prop(op: OpOverload | Sequence[OpOverload]) -> Callable[[PropFn], PropFn]:
+    """``@bypass_sharding_prop(op)``: ``fn(op_schema) -> output placements or spec(s)``
+    replaces the strategy search; the local op still runs on the inputs as they are."""
+    return lambda fn: _register(_prop, op, fn, stack=False)
+
+
+def unregister_bypass_dispatch(op: OpOverload | Sequence[OpOverload]) -> None:
+    """Remove ``op``'s bypass handler (upstream behaviour returns)."""
+    _own_off_mesh.difference_update(op_list(op))
+    _unregister(_bypass, op)
+
+
+def unregister_pre_dispatch_patch(op: OpOverload | Sequence[OpOverload]) -> None:
+    """Remove all of ``op``'s pre-dispatch patches."""
+    _unregister(_pre, op)
+
+
+def unregister_post_dispatch_patch(op: OpOverload | Sequence[OpOverload]) -> None:
+    """Remove all of ``op``'s post-dispatch patches."""
+    _unregister(_post, op)
+
+
+def unregister_bypass_sharding_prop(op: OpOverload | Sequence[OpOverload]) -> None:
+    """Remove ``op``'s sharding-propagation bypass."""
+    _unregister(_prop, op)
+
+
+# veScale's legacy names.
+_bypass_for_dispatch = bypass_dispatch
+_pre_patch_for_dispatch = pre_dispatch_patch
+_post_patch_for_dispatch = post_dispatch_patch
+_bypass_for_sharding_prop = bypass_sharding_prop
