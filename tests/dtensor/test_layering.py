@@ -115,6 +115,22 @@ def test_lazy_imports_add_no_new_cycle():
     assert [c for c in cycles if c not in KNOWN_LAZY_CYCLES] == []
 
 
+def test_eager_layer_imports_nothing_of_the_compiler():
+    """``vescale.dtensor`` (function-level imports too) imports no ``vescale.fx``,
+    ``vescale.passes``, ``vescale.backend`` or ``vescale.plan`` module."""
+    graph = _graph(nested=True)
+    upper = ("vescale.fx", "vescale.passes", "vescale.backend", "vescale.plan")
+    assert "vescale._stack" in graph["vescale.dtensor.explicit"]  # the graph is read
+    upward = {
+        (a, b)
+        for a, deps in graph.items()
+        if a.startswith("vescale.dtensor")
+        for b in deps
+        if b.startswith(upper)
+    }
+    assert upward == set()
+
+
 def test_dtensor_module_imports_neither_api_nor_legacy():
     graph = _graph(nested=True)
     assert graph["vescale.dtensor.dtensor"].isdisjoint(

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
+from vescale._stack import user_line_of_stack
 from vescale._torch_compat import (
     DTensorSpec,
     ExplicitRedistributionContext,
@@ -84,8 +85,6 @@ class ImplicitRedistributionError(RuntimeError):
 def _traced_user_line() -> str:
     """`` at file.py:line`` of the user code whose graph node AOTAutograd is tracing, if any
     (the check is deferred past Dynamo's own pass, see ``_dynamo_propagating``)."""
-    from vescale.fx.collectives import user_line_of_stack
-
     meta = torch.fx.traceback.get_current_meta() or {}
     line = user_line_of_stack(meta.get("stack_trace") or "")
     return f" at {line}" if line else ""

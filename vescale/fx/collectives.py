@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import math
 import operator
-import os
-import re
 from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
+from vescale._stack import user_line_of_stack
 from vescale._torch_compat import resolve_process_group
 from vescale.dtensor.device_mesh import known_meshes
 
@@ -37,7 +36,6 @@ __all__ = [
     "node_bytes",
     "numel_hint",
     "unwaited_outputs",
-    "user_line_of_stack",
     "user_source",
     "waited_node",
 ]
@@ -56,12 +54,6 @@ COLLECTIVE_KINDS: dict[Any, str] = {
     _c10d.reduce_scatter_tensor_coalesced.default: "reduce_scatter",
 }
 
-_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
-_INTERNAL = (
-    os.path.dirname(torch.__file__) + os.sep,
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # the vescale package
-)
-
 
 class CollectiveRecord(TypedDict):
     kind: str
@@ -78,18 +70,6 @@ class CollectiveRecord(TypedDict):
 def user_source(node: torch.fx.Node) -> str:
     """``file.py:line`` of the innermost user frame in ``node``'s stack trace ("" if none)."""
     return user_line_of_stack(node.meta.get("stack_trace") or "")
-
-
-def user_line_of_stack(stack_trace: str) -> str:
-    """``file.py:line`` of the innermost frame outside torch and vescale, else (a vescale
-    module such as the DDP wrapper at the top of the traced region) outside torch; "" if none."""
-    frames = _FRAME.findall(stack_trace)
-    user = [f for f in frames if not f[0].startswith(_INTERNAL)]
-    user = user or [f for f in frames if not f[0].startswith(_INTERNAL[0])]
-    if not user:
-        return ""
-    path, line = user[-1]
-    return f"{path.rsplit('/', 1)[-1]}:{line}"
 
 
 def waited_node(wait: torch.fx.Node) -> torch.fx.Node:
