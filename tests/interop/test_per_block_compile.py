@@ -15,7 +15,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
