@@ -1,13 +1,16 @@
 """The one seam with torch: every change vescale makes to a torch object.
 
-Two kinds of entries, each with the reason it exists:
+Three kinds of entries, each with the reason it exists:
 
 * **attribute patches** (:data:`ATTRIBUTES`, built by :func:`_attribute_table`): an
   attribute of a torch class, instance or module replaced by a function defined elsewhere in
   vescale (modules define replacements; only this module assigns them);
 * **registry entries** written through :func:`set_entry` / :func:`remove_entry` /
   :func:`register_op_strategy`: per-op handlers, sharding strategies and scalar-shape
-  adjusters in upstream DTensor's tables, recorded with the value they replaced.
+  adjusters in upstream DTensor's tables, recorded with the value they replaced;
+* **dispatcher kernels** (:func:`register_kernel`): Python kernels for an op at dispatch keys
+  where it has none of its own (an autograd key before a CompositeImplicitAutograd
+  decomposition), held in a ``torch.library.Library`` that :func:`uninstall` destroys.
 
 :func:`install` (run once by ``import vescale``, before any DTensor op: upstream's C++
 dispatcher caches ``OpDispatcher.wrap`` at first use) applies all of them and is idempotent;
@@ -31,6 +34,7 @@ __all__ = [
     "install",
     "installed",
     "reapply",
+    "register_kernel",
     "register_op_strategy",
     "remove_entry",
     "set_entry",
@@ -60,8 +64,18 @@ class _Entry:
     original: Any = _MISSING
 
 
+@dataclass
+class _Kernel:
+    op: torch._ops.OpOverload
+    keys: tuple[str, ...]
+    fn: Callable[..., Any]
+    why: str
+
+
 _attributes: list[_Attribute] = []
 _entries: dict[tuple[int, Any], _Entry] = {}
+_kernels: list[_Kernel] = []
+_libraries: list[Any] = []  # the torch.library.Library objects holding _kernels while installed
 _state = {"installed": False}
 
 
@@ -167,6 +181,26 @@ def register_op_strategy(
         return fn
 
     return register
+
+
+def _impl(kernel: _Kernel) -> None:
+    lib = torch.library.Library(kernel.op.namespace, "IMPL")
+    for key in kernel.keys:
+        lib.impl(kernel.op, kernel.fn, key)
+    _libraries.append(lib)
+
+
+def register_kernel(
+    op: torch._ops.OpOverload, keys: Sequence[str], fn: Callable[..., Any], why: str
+) -> None:
+    """``fn`` as ``op``'s kernel at dispatch ``keys`` (``torch.library`` registrations, for
+    keys where ``op`` has no kernel of its own: an autograd key runs ``fn`` before the op's
+    CompositeImplicitAutograd decomposition, for every input, so ``fn`` must compute the op
+    for all of them)."""
+    kernel = _Kernel(op, tuple(keys), fn, why)
+    _kernels.append(kernel)
+    if _state["installed"]:
+        _impl(kernel)
 
 
 @contextlib.contextmanager
@@ -279,6 +313,8 @@ def install() -> None:
     for e in _entries.values():
         e.original = e.table.get(e.key, _MISSING)
         _write(e.table, e.key, e.value)
+    for k in _kernels:
+        _impl(k)
     _state["installed"] = True
     _clear_caches()
 
@@ -288,6 +324,8 @@ def uninstall() -> None:
     vescale DTensors then behave as upstream ones)."""
     if not _state["installed"]:
         return
+    while _libraries:
+        _libraries.pop()._destroy()
     for e in reversed(list(_entries.values())):
         _write(e.table, e.key, e.original)
     for a in reversed(_attributes):
@@ -308,4 +346,5 @@ def describe() -> list[tuple[str, str, str]]:
     """``(where, what, why)`` for every change: attributes first, then registry entries."""
     rows = [(_name(a.owner), a.name, a.why) for a in _attributes or _attribute_table()]
     rows += [(e.table_name, str(e.key), e.why) for e in _entries.values()]
+    rows += [(f"dispatcher {'/'.join(k.keys)}", str(k.op), k.why) for k in _kernels]
     return rows
