@@ -9,8 +9,10 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import vescale
 from tests.dtensor.reference import coord_of, expected_local, mesh_of
+from tests.harness import local_world
 from vescale import DTensor, Partial, Replicate, Shard
-from vescale.dtensor import dispatch
+from vescale.dtensor import dispatch, hooks
+from vescale.dtensor.op_args import bind, unbind
 
 aten = torch.ops.aten
 
@@ -162,3 +164,72 @@ def test_builtin_hooks(pool4):
 def test_explicit_mode_default_and_context(pool4):
     pool4.run(_check_explicit_mode, "env-on")
     pool4.run(_check_explicit_mode, "env-off", env={"VESCALE_DISABLE_REDISTRIBUTE": "0"})
+
+
+def test_bind_names_arguments_by_schema_and_back():
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    top = bind(aten.topk.default, (x, 2), {"largest": False})
+    assert list(top) == ["self", "k", "dim", "largest", "sorted"]
+    assert top["self"] is x and (top["k"], top["dim"], top["largest"], top["sorted"]) == (
+        2,
+        -1,
+        False,
+        True,
+    )
+    add = bind(aten.add.Tensor, (x, y), {"alpha": 2})
+    args, kwargs = unbind(aten.add.Tensor, add)
+    assert args == (x, y) and kwargs == {"alpha": 2}  # keyword-only stays a keyword
+    assert torch.equal(aten.add.Tensor(*args, **kwargs), torch.add(x, y, alpha=2))
+    with pytest.raises(TypeError, match=r"aten.topk.default: missing required arguments \['k'\]"):
+        bind(aten.topk.default, (x,), {})
+    with pytest.raises(TypeError, match=r"aten.add.Tensor: no arguments named \['beta'\]"):
+        bind(aten.add.Tensor, (x, y), {"beta": 1})
+    with pytest.raises(TypeError, match=r"aten.add.Tensor: 3 positional arguments"):
+        bind(aten.add.Tensor, (x, y, 2), {})
+
+
+def _is_shard(op, args, kwargs):
+    return bind(op, args, kwargs)["self"].placements[0].is_shard()
+
+
+def test_when_predicate_applies_each_hook_only_where_it_holds():
+    full = torch.randn(8, 4, dtype=torch.float64)
+    calls = []
+
+    def neg_as_abs(op, args, kwargs):
+        calls.append(op)
+        return hooks.python_dispatch(aten.abs.default, args, kwargs)
+
+    with local_world(2):
+        mesh = vescale.init_device_mesh("cpu", (2,))
+        s = vescale.distribute_tensor(full, mesh, [Shard(0)])
+        r = vescale.distribute_tensor(full, mesh, [Replicate()])
+        hooks.bypass_dispatch(aten.neg.default, when=_is_shard)(neg_as_abs)
+        try:
+            assert torch.equal(torch.neg(s).full_tensor(), full.abs())
+            assert torch.equal(torch.neg(r).full_tensor(), -full)  # dispatch as without it
+            assert calls == [aten.neg.default]
+        finally:
+            hooks.unregister_bypass_dispatch(aten.neg.default)
+        hooks.pre_dispatch_patch(aten.add.Tensor, when=_is_shard)(
+            lambda op, args, kwargs: ((args[0], args[1] * 2), kwargs)
+        )
+        hooks.post_dispatch_patch(
+            aten.add.Tensor, when=lambda op, out: out.placements[0].is_replicate()
+        )(lambda op, out: out * 3)
+        try:
+            assert torch.allclose((s + s).full_tensor(), full * 3)  # pre only
+            assert torch.allclose((r + r).full_tensor(), full * 6)  # post only
+        finally:
+            hooks.unregister_pre_dispatch_patch(aten.add.Tensor)
+            hooks.unregister_post_dispatch_patch(aten.add.Tensor)
+        hooks.bypass_sharding_prop(
+            aten.neg.default, when=lambda schema: schema.args_schema[0].placements[0].is_replicate()
+        )(lambda schema: (Partial(),))
+        try:
+            assert tuple(torch.neg(r).placements) == (Partial(),)
+            assert tuple(torch.neg(s).placements) == (Shard(0),)  # upstream's strategy search
+            assert torch.equal(torch.neg(s).full_tensor(), -full)
+        finally:
+            hooks.unregister_bypass_sharding_prop(aten.neg.default)
+        assert torch.equal(torch.neg(s).full_tensor(), -full)

@@ -6,6 +6,12 @@ C++ fast path and pays nothing. A hooked op runs:
 
     pre_dispatch_patch* -> (bypass_dispatch | dispatch with bypass_sharding_prop) -> post_dispatch_patch*
 
+Each decorator takes ``when=``: a predicate called with the hook's own arguments; where it is
+false the hook does not apply (a patch is skipped; a bypass handler's op runs
+:func:`python_dispatch`, DTensor's dispatch steps with the op's sharding-propagation bypass
+if any; a sharding-propagation bypass leaves the strategy search to upstream). Handlers thus
+hold only the case they handle.
+
 Scope: hooks apply to ops with a ``vescale.DTensor`` input; on upstream DTensors the op runs
 as upstream runs it. On ranks outside the op's mesh no handler runs (upstream's rule: empty
 local results, no communication, :mod:`vescale.dtensor.off_mesh`) unless it is registered
@@ -17,6 +23,7 @@ with ``off_mesh=True``. Likewise vescale-only propagation rules
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,15 +67,28 @@ PrePatch = Callable[
 ]
 PostPatch = Callable[[OpOverload, Any], Any]
 PropFn = Callable[[OpSchema], Any]
+Predicate = Callable[..., bool]
 
 _dispatcher = _UpstreamDTensor._op_dispatcher
 _handlers: dict[OpOverload, Any] = _dispatcher._custom_op_handlers
 _upstream_handlers: dict[OpOverload, Any] = dict(_handlers)
 
-_bypass: dict[OpOverload, Handler] = {}
-_pre: dict[OpOverload, list[PrePatch]] = {}
-_post: dict[OpOverload, list[PostPatch]] = {}
-_prop: dict[OpOverload, PropFn] = {}
+
+@dataclass(frozen=True)
+class _Hook:
+    """A registered hook and the predicate (``None``: always) on its own arguments."""
+
+    fn: Callable[..., Any]
+    when: Predicate | None
+
+    def applies(self, *args: Any) -> bool:
+        return self.when is None or bool(self.when(*args))
+
+
+_bypass: dict[OpOverload, _Hook] = {}
+_pre: dict[OpOverload, list[_Hook]] = {}
+_post: dict[OpOverload, list[_Hook]] = {}
+_prop: dict[OpOverload, _Hook] = {}
 _own_off_mesh: set[OpOverload] = set()  # bypass handlers that also run off the op's mesh
 _HANDLERS = "OpDispatcher._custom_op_handlers"
 
@@ -79,7 +99,8 @@ def _reinstall(op: OpOverload) -> None:
     if not (op in _bypass or op in _pre or op in _post or op in _prop):
         _patches.restore_entry(_handlers, op)
         return
-    fn = _bypass[op] if op in _bypass and op not in _pre and op not in _post else _hooked
+    alone = op in _bypass and op not in _pre and op not in _post and _bypass[op].when is None
+    fn = _bypass[op].fn if alone else _hooked
     why = "vescale hooks (ops with a vescale.DTensor input)"
     _patches.set_entry(_handlers, _HANDLERS, op, _outside_dynamo(_scoped(fn)), why)
 
@@ -121,18 +142,29 @@ def _outside_dynamo(fn: Handler) -> Handler:
     return torch.compiler.disable(fn, recursive=True)  # type: ignore[no-any-return]
 
 
+def _propagate(op: OpOverload) -> PropFn | None:
+    """``op``'s sharding-propagation bypass (``NotImplemented`` where its ``when`` is false)."""
+    hook = _prop.get(op)
+    if hook is None:
+        return None
+    return lambda schema: hook.fn(schema) if hook.applies(schema) else NotImplemented
+
+
 @torch.compiler.disable(recursive=True)
 def _hooked(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     for pre in _pre.get(op, ()):
-        args, kwargs = pre(op, args, kwargs)
-    if op in _bypass:
-        out = _bypass[op](op, args, kwargs)
-    elif op in _prop or op not in _upstream_handlers:
-        out = python_dispatch(op, args, kwargs, _prop.get(op))
+        if pre.applies(op, args, kwargs):
+            args, kwargs = pre.fn(op, args, kwargs)
+    bypass = _bypass.get(op)
+    if bypass is not None and bypass.applies(op, args, kwargs):
+        out = bypass.fn(op, args, kwargs)
+    elif bypass is not None or op in _prop or op not in _upstream_handlers:
+        out = python_dispatch(op, args, kwargs, _propagate(op))
     else:
         out = _upstream_handlers[op](op, args, kwargs)
     for post in _post.get(op, ()):
-        out = post(op, out)
+        if post.applies(op, out):
+            out = post.fn(op, out)
     return out
 
 
@@ -161,15 +193,17 @@ def python_dispatch(
     propagate: PropFn | None = None,
 ) -> Any:
     """Upstream's dispatch steps in Python; ``propagate(op_schema)`` replaces the strategy
-    search when given (its specs may omit tensor meta: it is then taken from the local result,
-    assuming even shards)."""
+    search when given and not returning ``NotImplemented`` (its specs may omit tensor meta: it
+    is then taken from the local result, assuming even shards)."""
     op_info = _dispatcher.unwrap_to_op_info(op, args, kwargs)
     mesh, schema = op_info.compute_mesh, op_info.schema
     assert schema is not None  # unwrap_to_op_info always builds the schema
-    if propagate is None:
+    proposed = NotImplemented if propagate is None else propagate(schema)
+    if proposed is NotImplemented:
+        propagate = None
         _dispatcher.sharding_propagator.propagate(op_info)
     else:
-        out_spec = _as_output_spec(propagate(schema), mesh)
+        out_spec = _as_output_spec(proposed, mesh)
         if has_vescale_input(args, kwargs):
             out_spec = mark_vescale(out_spec)
         op_info.output_sharding = OutputSharding(out_spec)
@@ -197,12 +231,15 @@ def python_dispatch(
     return out
 
 
-def _register(table: dict[OpOverload, Any], op: Any, fn: Any, *, stack: bool) -> Any:
+def _register(
+    table: dict[OpOverload, Any], op: Any, fn: Any, when: Predicate | None, *, stack: bool
+) -> Any:
+    hook = _Hook(fn, when)
     for o in op_list(op):
         if stack:
-            table.setdefault(o, []).append(fn)
+            table.setdefault(o, []).append(hook)
         else:
-            table[o] = fn
+            table[o] = hook
         _reinstall(o)
     return fn
 
@@ -214,36 +251,50 @@ def _unregister(table: dict[OpOverload, Any], op: Any) -> None:
 
 
 def bypass_dispatch(
-    op: OpOverload | Sequence[OpOverload], *, off_mesh: bool = False
+    op: OpOverload | Sequence[OpOverload],
+    *,
+    when: Predicate | None = None,
+    off_mesh: bool = False,
 ) -> Callable[[Handler], Handler]:
     """``@bypass_dispatch(op)``: ``handler(op, args, kwargs) -> result`` replaces DTensor
-    dispatch. Ranks outside the op's mesh do not run it (they get empty local results and
-    communicate nothing), unless ``off_mesh=True``: the handler then runs there too and must
-    not communicate (e.g. random ops, which advance the generator on every rank)."""
+    dispatch where ``when(op, args, kwargs)`` holds (default: always; elsewhere the op runs
+    :func:`python_dispatch`). Ranks outside the op's mesh do not run it (they get empty local
+    results and communicate nothing), unless ``off_mesh=True``: the handler then runs there
+    too and must not communicate (e.g. random ops, which advance the generator on every
+    rank)."""
 
     def register(fn: Handler) -> Handler:
         _own_off_mesh.difference_update(op_list(op))
         if off_mesh:
             _own_off_mesh.update(op_list(op))
-        return _register(_bypass, op, fn, stack=False)  # type: ignore[no-any-return]
+        return _register(_bypass, op, fn, when, stack=False)  # type: ignore[no-any-return]
 
     return register
 
 
-def pre_dispatch_patch(op: OpOverload | Sequence[OpOverload]) -> Callable[[PrePatch], PrePatch]:
-    """``@pre_dispatch_patch(op)``: ``fn(op, args, kwargs) -> (args, kwargs)`` runs before dispatch."""
-    return lambda fn: _register(_pre, op, fn, stack=True)
+def pre_dispatch_patch(
+    op: OpOverload | Sequence[OpOverload], *, when: Predicate | None = None
+) -> Callable[[PrePatch], PrePatch]:
+    """``@pre_dispatch_patch(op)``: ``fn(op, args, kwargs) -> (args, kwargs)`` runs before
+    dispatch where ``when(op, args, kwargs)`` holds (default: always)."""
+    return lambda fn: _register(_pre, op, fn, when, stack=True)
 
 
-def post_dispatch_patch(op: OpOverload | Sequence[OpOverload]) -> Callable[[PostPatch], PostPatch]:
-    """``@post_dispatch_patch(op)``: ``fn(op, out) -> out`` runs after dispatch."""
-    return lambda fn: _register(_post, op, fn, stack=True)
+def post_dispatch_patch(
+    op: OpOverload | Sequence[OpOverload], *, when: Predicate | None = None
+) -> Callable[[PostPatch], PostPatch]:
+    """``@post_dispatch_patch(op)``: ``fn(op, out) -> out`` runs after dispatch where
+    ``when(op, out)`` holds (default: always)."""
+    return lambda fn: _register(_post, op, fn, when, stack=True)
 
 
-def bypass_sharding_prop(op: OpOverload | Sequence[OpOverload]) -> Callable[[PropFn], PropFn]:
+def bypass_sharding_prop(
+    op: OpOverload | Sequence[OpOverload], *, when: Predicate | None = None
+) -> Callable[[PropFn], PropFn]:
     """``@bypass_sharding_prop(op)``: ``fn(op_schema) -> output placements or spec(s)``
-    replaces the strategy search; the local op still runs on the inputs as they are."""
-    return lambda fn: _register(_prop, op, fn, stack=False)
+    replaces the strategy search where ``when(op_schema)`` holds (default: always); the local
+    op still runs on the inputs as they are."""
+    return lambda fn: _register(_prop, op, fn, when, stack=False)
 
 
 def unregister_bypass_dispatch(op: OpOverload | Sequence[OpOverload]) -> None:

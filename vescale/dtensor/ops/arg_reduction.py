@@ -25,8 +25,9 @@ from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale.dtensor.api import wait_local
 from vescale.dtensor.dtensor import wrap_local
-from vescale.dtensor.hooks import bypass_dispatch, python_dispatch
+from vescale.dtensor.hooks import bypass_dispatch
 from vescale.dtensor.layout import contiguous_shards, local_range, sharding_mesh_dims
+from vescale.dtensor.op_args import bind
 from vescale.dtensor.placement_types import Placement, Replicate, Shard
 
 __all__ = ["arg_extremum", "sharded_topk"]
@@ -104,22 +105,33 @@ def _reduce(
     return val, idx, _output_placements(placements, dim, True, sharding), sharding
 
 
-@bypass_dispatch(list(_LARGEST))
+def _gatherable(x: Any) -> bool:
+    """A non-scalar DTensor of contiguous shards, none Partial: candidates can be gathered."""
+    return (
+        isinstance(x, _UpstreamDTensor)
+        and x.ndim > 0
+        and not any(p.is_partial() for p in x.placements)
+        and contiguous_shards(x.placements)
+    )
+
+
+def _over_sharded_dim(op: torch._ops.OpOverload, args: Any, kwargs: Any) -> bool:
+    """argmax/argmin of a gatherable input over one of its sharded dims."""
+    a = bind(op, args, kwargs)
+    x, dim = a["self"], a["dim"]
+    return (
+        _gatherable(x)
+        and dim is not None
+        and bool(sharding_mesh_dims(x.device_mesh, x.placements, dim % x.ndim))
+    )
+
+
+@bypass_dispatch(list(_LARGEST), when=_over_sharded_dim)
 def arg_extremum(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``argmax``/``argmin`` on DTensors (see module docstring)."""
-    x = args[0]
-    dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
-    if not isinstance(x, _UpstreamDTensor) or dim is None or x.ndim == 0:
-        return python_dispatch(op, args, kwargs)
-    dim = dim % x.ndim
-    sharded = bool(sharding_mesh_dims(x.device_mesh, x.placements, dim))
-    if (
-        not sharded
-        or any(p.is_partial() for p in x.placements)
-        or not contiguous_shards(x.placements)
-    ):
-        return python_dispatch(op, args, kwargs)
+    """``argmax``/``argmin`` over a sharded dim (see module docstring)."""
+    a = bind(op, args, kwargs)
+    x, keepdim = a["self"], bool(a["keepdim"])
+    dim = a["dim"] % x.ndim
     _, idx, placements, sharding = _reduce(x, dim, 1, _LARGEST[op], first=True)
     shape = list(x.shape)
     shape[dim] = 1
@@ -130,23 +142,19 @@ def arg_extremum(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[
     return wrap_local(idx, x.device_mesh, placements, shape)
 
 
-@bypass_dispatch(aten.topk.default)
+@bypass_dispatch(aten.topk.default, when=lambda op, a, kw: _gatherable(bind(op, a, kw)["self"]))
 def sharded_topk(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``topk`` on DTensors: local along an unsharded dim (any Shard/Replicate layout, uneven
     included), candidates + gather along a sharded one (see module docstring); sorted."""
-    bound = dict(zip(["self", "k", "dim", "largest", "sorted"], args)) | kwargs
+    bound = bind(op, args, kwargs)
     x, k = bound["self"], int(bound["k"])
-    if not isinstance(x, _UpstreamDTensor) or x.ndim == 0:
-        return python_dispatch(op, args, kwargs)
-    if any(p.is_partial() for p in x.placements) or not contiguous_shards(x.placements):
-        return python_dispatch(op, args, kwargs)
-    dim = bound.get("dim", -1) % x.ndim
+    dim = bound["dim"] % x.ndim
     if k > x.shape[dim]:
         raise RuntimeError(
             f"aten.topk.default: k={k} is larger than dim {dim} of size {x.shape[dim]} "
             f"(global shape {tuple(x.shape)}, placements {tuple(x.placements)} on {x.device_mesh})"
         )
-    val, idx, placements, _ = _reduce(x, dim, k, bound.get("largest", True), first=False)
+    val, idx, placements, _ = _reduce(x, dim, k, bound["largest"], first=False)
     shape = list(x.shape)
     shape[dim] = k
     return wrap_local(val, x.device_mesh, placements, shape), wrap_local(

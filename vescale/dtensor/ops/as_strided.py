@@ -18,6 +18,7 @@ import torch
 
 from vescale.dtensor.dtensor import new_dtensor
 from vescale.dtensor.hooks import bypass_dispatch
+from vescale.dtensor.op_args import bind
 from vescale.dtensor.placement_types import Placement, Shard, make_spec
 
 __all__ = ["as_strided_view"]
@@ -46,8 +47,8 @@ def _match_dims(base: torch.Tensor, size: list[int], stride: list[int]) -> list[
 @bypass_dispatch(aten.as_strided.default)
 def as_strided_view(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``base.as_strided(size, stride, storage_offset)`` as a view of each shard."""
-    base, size, stride, *rest = args
-    offset = rest[0] if rest else kwargs.get("storage_offset")
+    a = bind(op, args, kwargs)
+    base, size, stride, offset = a["self"], a["size"], a["stride"], a["storage_offset"]
     spec = base._spec
     local: torch.Tensor = base._local_tensor
     size, stride = [int(s) for s in size], [int(s) for s in stride]

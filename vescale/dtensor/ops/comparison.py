@@ -17,22 +17,30 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale.dtensor.explicit import redistribute_for
-from vescale.dtensor.hooks import bypass_dispatch, python_dispatch
+from vescale.dtensor.hooks import bypass_dispatch
+from vescale.dtensor.op_args import bind
 from vescale.dtensor.placement_types import Replicate
 from vescale.dtensor.redistribute import wait_local
 
 aten = torch.ops.aten
 
 
-@bypass_dispatch(aten.equal.default, off_mesh=True)  # no world all-reduce off the mesh
+def _same_mesh(op: torch._ops.OpOverload, args: Any, kwargs: Any) -> bool:
+    """Both operands DTensors on one mesh."""
+    a, b = bind(op, args, kwargs).values()
+    return (
+        isinstance(a, _UpstreamDTensor)
+        and isinstance(b, _UpstreamDTensor)
+        and a.device_mesh == b.device_mesh
+    )
+
+
+# off_mesh: no world all-reduce off the mesh
+@bypass_dispatch(aten.equal.default, when=_same_mesh, off_mesh=True)
 def equal(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """``torch.equal`` on DTensors (see module docstring)."""
-    a, b = args
-    if not (isinstance(a, _UpstreamDTensor) and isinstance(b, _UpstreamDTensor)):
-        return bool(python_dispatch(op, args, kwargs))
+    """``torch.equal`` of DTensors on one mesh (see module docstring)."""
+    a, b = bind(op, args, kwargs).values()
     mesh = a.device_mesh
-    if mesh != b.device_mesh:
-        return bool(python_dispatch(op, args, kwargs))
     if not mesh._is_current_rank_part_of_mesh():
         return True
     if a.shape != b.shape or a.dtype != b.dtype:

@@ -25,6 +25,7 @@ from vescale.dtensor.api import from_local, wait_local
 from vescale.dtensor.dtensor import wrap_local
 from vescale.dtensor.explicit import redistribute_for
 from vescale.dtensor.hooks import bypass_dispatch, bypass_sharding_prop, python_dispatch
+from vescale.dtensor.op_args import bind, unbind
 from vescale.dtensor.placement_types import Placement, Replicate
 
 __all__ = ["replicate_only", "sharded_unique"]
@@ -65,19 +66,21 @@ def _replicated(local: torch.Tensor, mesh: Any) -> Any:
     return from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False, support_uneven=False)
 
 
-@bypass_dispatch(aten._unique2.default)
+@bypass_dispatch(
+    aten._unique2.default,
+    when=lambda op, a, kw: isinstance(bind(op, a, kw)["self"], _UpstreamDTensor),
+)
 def sharded_unique(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``torch.unique(x, sorted, return_inverse, return_counts)`` (see module docstring)."""
-    x = args[0]
-    bound = dict(zip(["sorted", "return_inverse", "return_counts"], args[1:])) | kwargs
-    if not isinstance(x, _UpstreamDTensor):
-        return python_dispatch(op, args, kwargs, replicate_only)
+    """``torch.unique(x, sorted, return_inverse, return_counts)`` of a DTensor ``x`` (see module
+    docstring)."""
+    bound = bind(op, args, kwargs)
+    x = bound["self"]
     mesh = x.device_mesh
     if any(p.is_partial() for p in x.placements):
         x = redistribute_for(op, x, [Replicate() if p.is_partial() else p for p in x.placements])
     sharding = [i for i, p in enumerate(x.placements) if p.is_shard() and mesh.size(i) > 1]
     if not sharding:
-        return python_dispatch(op, (x, *args[1:]), kwargs, replicate_only)
+        return python_dispatch(op, *unbind(op, bound | {"self": x}), replicate_only)
     local = wait_local(x._local_tensor)
     values, _, counts = torch._unique2(local, sorted=True, return_counts=True)
     merged = values
@@ -85,10 +88,10 @@ def sharded_unique(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dic
         merged = torch.unique(_gather_values(merged, mesh, mesh_dim), sorted=True)
     empty = local.new_empty(0, dtype=torch.long)
     inverse = empty
-    if bound.get("return_inverse", False):
+    if bound["return_inverse"]:
         inverse = wrap_local(torch.searchsorted(merged, local), mesh, x.placements, x.shape)
     global_counts: Any = _replicated(empty, mesh)
-    if bound.get("return_counts", False):
+    if bound["return_counts"]:
         c = torch.zeros(merged.numel(), dtype=torch.long, device=local.device)
         c[torch.searchsorted(merged, values)] = counts
         for mesh_dim in sharding:

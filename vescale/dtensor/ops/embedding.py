@@ -29,8 +29,9 @@ from torch.distributed.tensor import DTensor as _UpstreamDTensor
 from vescale.dtensor.api import wait_local
 from vescale.dtensor.dtensor import wrap_local
 from vescale.dtensor.explicit import redistribute_for
-from vescale.dtensor.hooks import bypass_dispatch, python_dispatch
+from vescale.dtensor.hooks import bypass_dispatch
 from vescale.dtensor.layout import contiguous_shards, local_range, sharding_mesh_dims
+from vescale.dtensor.op_args import bind
 from vescale.dtensor.placement_types import Partial, Placement, Replicate, Shard
 
 __all__ = ["vocab_parallel_embedding", "vocab_parallel_embedding_backward"]
@@ -86,19 +87,25 @@ def _local_rows(layout: Layout, indices: torch.Tensor) -> tuple[torch.Tensor, to
     return torch.where(mine, indices - start, torch.zeros_like(indices)), mine, rows
 
 
-@bypass_dispatch(aten.embedding.default)
+def _vocab_parallel(op: torch._ops.OpOverload, args: Any, kwargs: Any) -> bool:
+    """DTensor table and indices; the table of contiguous shards, vocabulary-sharded or Partial."""
+    a = bind(op, args, kwargs)
+    weight, indices = a["weight"], a["indices"]
+    return (
+        isinstance(weight, _UpstreamDTensor)
+        and isinstance(indices, _UpstreamDTensor)
+        and bool(_vocab_dims(_layout(weight)) or any(p.is_partial() for p in weight.placements))
+        and contiguous_shards(weight.placements)
+    )
+
+
+@bypass_dispatch(aten.embedding.default, when=_vocab_parallel)
 def vocab_parallel_embedding(
     op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """``embedding(weight, indices, ...)`` with a vocabulary-sharded table (module docstring)."""
-    weight, indices = args[0], args[1]
-    if not (
-        isinstance(weight, _UpstreamDTensor)
-        and isinstance(indices, _UpstreamDTensor)
-        and (_vocab_dims(_layout(weight)) or any(p.is_partial() for p in weight.placements))
-        and contiguous_shards(weight.placements)
-    ):
-        return python_dispatch(op, args, kwargs)
+    a = bind(op, args, kwargs)
+    weight, indices = a["weight"], a["indices"]
     layout = _layout(weight)
     index_placements = _index_placements(layout, indices)
     indices = redistribute_for(op, indices, index_placements)
@@ -109,15 +116,25 @@ def vocab_parallel_embedding(
     return wrap_local(out, weight.device_mesh, placements, (*indices.shape, weight.shape[1]))
 
 
-@bypass_dispatch(aten.embedding_dense_backward.default)
+def _remembered_table(op: torch._ops.OpOverload, args: Any, kwargs: Any) -> bool:
+    """The forward remembered the table's layout for these indices; no frequency scaling."""
+    a = bind(op, args, kwargs)
+    indices = a["indices"]
+    return (
+        isinstance(indices, _UpstreamDTensor)
+        and id(indices) in _table_of
+        and not a["scale_grad_by_freq"]
+    )
+
+
+@bypass_dispatch(aten.embedding_dense_backward.default, when=_remembered_table)
 def vocab_parallel_embedding_backward(
     op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """The table's gradient in the table's placements, computed locally (module docstring)."""
-    grad, indices, _, padding_idx, scale_grad_by_freq = args
-    layout = _table_of.get(id(indices)) if isinstance(indices, _UpstreamDTensor) else None
-    if layout is None or scale_grad_by_freq:
-        return python_dispatch(op, args, kwargs)
+    a = bind(op, args, kwargs)
+    grad, indices, padding_idx = a["grad_output"], a["indices"], a["padding_idx"]
+    layout = _table_of[id(indices)]
     shape, mesh, w_placements = layout
     index_placements = list(indices.placements)
     out_placements = _out_placements(layout, index_placements, indices.ndim + 1)

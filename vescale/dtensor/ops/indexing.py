@@ -36,6 +36,7 @@ from vescale._torch_compat import (
 from vescale.dtensor.api import from_local
 from vescale.dtensor.explicit import redistribute_for
 from vescale.dtensor.hooks import bypass_dispatch, pre_dispatch_patch, python_dispatch
+from vescale.dtensor.op_args import bind, unbind
 from vescale.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from vescale.dtensor.redistribute import wait_local
 
@@ -84,14 +85,19 @@ def _replicated(t: Any, mesh: Any) -> Any:
     return t
 
 
-@pre_dispatch_patch([aten.index_put.default, aten.index_put_.default])
+@pre_dispatch_patch(
+    [aten.index_put.default, aten.index_put_.default],
+    when=lambda op, a, kw: isinstance(bind(op, a, kw)["self"], _UpstreamDTensor),
+)
 def replicate_plain_tensors(
     op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Plain tensors among ``index_put``'s indices and values become Replicate DTensors."""
-    mesh = args[0].device_mesh
-    indices = [_replicated(i, mesh) for i in args[1]]
-    return (args[0], indices, _replicated(args[2], mesh), *args[3:]), kwargs
+    a = bind(op, args, kwargs)
+    mesh = a["self"].device_mesh
+    a["indices"] = [_replicated(i, mesh) for i in a["indices"]]
+    a["values"] = _replicated(a["values"], mesh)
+    return unbind(op, a)
 
 
 @bypass_dispatch(list(OUT_OF_PLACE))

@@ -26,6 +26,7 @@ from vescale.dtensor.dtensor import wrap_local
 from vescale.dtensor.explicit import redistribute_for
 from vescale.dtensor.hooks import bypass_dispatch, python_dispatch
 from vescale.dtensor.layout import contiguous_shards, local_range, sharding_mesh_dims
+from vescale.dtensor.op_args import bind, unbind
 from vescale.dtensor.placement_types import Partial, Placement, Replicate
 
 __all__ = [
@@ -54,19 +55,6 @@ ELEMENTWISE_LOSSES = [
 ]
 
 
-def _bind(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    """All of ``op``'s arguments, positionally, defaults filled in."""
-    out = []
-    for i, a in enumerate(op._schema.arguments):
-        if i < len(args):
-            out.append(args[i])
-        elif a.name in kwargs:
-            out.append(kwargs[a.name])
-        else:
-            out.append(a.default_value)
-    return out
-
-
 def _sharded(t: object) -> bool:
     return isinstance(t, _UpstreamDTensor) and any(
         p.is_shard() and t.device_mesh.size(i) > 1 for i, p in enumerate(t.placements)
@@ -78,28 +66,26 @@ def _common_layout(layouts: list[tuple[Placement, ...]]) -> list[Placement]:
     return [next((p for p in dim if p.is_shard()), Replicate()) for dim in zip(*layouts)]
 
 
-@bypass_dispatch(ELEMENTWISE_LOSSES)
+@bypass_dispatch(
+    ELEMENTWISE_LOSSES,
+    when=lambda op, a, kw: isinstance(bind(op, a, kw)["self"], _UpstreamDTensor),
+)
 def global_mean_loss(
     op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """``op`` on operands laid out alike, its mean over the global input (module docstring)."""
-    names = [a.name for a in op._schema.arguments]
-    bound = _bind(op, args, kwargs)
-    self_i = names.index("self")
-    inp = bound[self_i]
-    if not isinstance(inp, _UpstreamDTensor):
-        return python_dispatch(op, args, kwargs)
+    bound = bind(op, args, kwargs)
+    inp = bound["self"]
     alike = [
-        i for i, a in enumerate(bound) if isinstance(a, _UpstreamDTensor) and a.shape == inp.shape
+        n for n, a in bound.items() if isinstance(a, _UpstreamDTensor) and a.shape == inp.shape
     ]
-    layout = _common_layout([tuple(bound[i].placements) for i in alike])
-    for i in alike:
-        bound[i] = redistribute_for(op, bound[i], layout)
-    r = names.index("reduction")
-    if bound[r] != MEAN or not _sharded(bound[self_i]):
-        return python_dispatch(op, tuple(bound), {})
-    bound[r] = SUM
-    return python_dispatch(op, tuple(bound), {}) * (1.0 / inp.numel())
+    layout = _common_layout([tuple(bound[n].placements) for n in alike])
+    for n in alike:
+        bound[n] = redistribute_for(op, bound[n], layout)
+    if bound["reduction"] != MEAN or not _sharded(bound["self"]):
+        return python_dispatch(op, *unbind(op, bound))
+    bound["reduction"] = SUM
+    return python_dispatch(op, *unbind(op, bound)) * (1.0 / inp.numel())
 
 
 # ---- log_softmax and nll_loss on class-sharded input ------------------------------------
@@ -134,20 +120,24 @@ def _all_reduce(t: torch.Tensor, op: str, mesh: Any, mesh_dims: list[int]) -> to
     return t
 
 
-@bypass_dispatch(aten._log_softmax.default)
+def _over_sharded_dim(x: Any, dim: int) -> bool:
+    """``x`` a non-scalar DTensor, none of its placements Partial, sharded along ``dim``."""
+    return _shard_only(x) and x.ndim > 0 and bool(_mesh_dims_sharding(x, dim % x.ndim))
+
+
+def _log_softmax_applies(op: torch._ops.OpOverload, args: Any, kwargs: Any) -> bool:
+    a = bind(op, args, kwargs)
+    return _over_sharded_dim(a["self"], a["dim"]) and not a["half_to_float"]
+
+
+@bypass_dispatch(aten._log_softmax.default, when=_log_softmax_applies)
 def sharded_log_softmax(
     op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """``_log_softmax`` over a sharded dim without gathering it (see above)."""
-    x, dim, half_to_float = _bind(op, args, kwargs)
-    if (
-        not _shard_only(x)
-        or x.ndim == 0
-        or not _mesh_dims_sharding(x, dim % x.ndim)
-        or half_to_float
-    ):
-        return python_dispatch(op, args, kwargs)
-    dim %= x.ndim
+    a = bind(op, args, kwargs)
+    x = a["self"]
+    dim = a["dim"] % x.ndim
     mesh, mesh_dims = x.device_mesh, _mesh_dims_sharding(x, dim)
     local = wait_local(x._local_tensor)
     empty = local.shape[dim] == 0
@@ -161,18 +151,20 @@ def sharded_log_softmax(
     return wrap_local(local - shift - total.log(), x.device_mesh, x.placements, x.shape)
 
 
-@bypass_dispatch(aten._log_softmax_backward_data.default)
+def _log_softmax_backward_applies(op: torch._ops.OpOverload, args: Any, kwargs: Any) -> bool:
+    a = bind(op, args, kwargs)
+    out = a["output"]
+    return _over_sharded_dim(out, a["dim"]) and out.dtype == a["input_dtype"]
+
+
+@bypass_dispatch(aten._log_softmax_backward_data.default, when=_log_softmax_backward_applies)
 def sharded_log_softmax_backward(
     op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """``grad - exp(out) * sum(grad, dim)`` with the sum all-reduced over the sharding mesh dims."""
-    grad, out, dim, input_dtype = _bind(op, args, kwargs)
-    if (
-        not (_shard_only(out) and out.ndim and _mesh_dims_sharding(out, dim % out.ndim))
-        or out.dtype != input_dtype
-    ):
-        return python_dispatch(op, args, kwargs)
-    dim %= out.ndim
+    a = bind(op, args, kwargs)
+    grad, out = a["grad_output"], a["output"]
+    dim = a["dim"] % out.ndim
     grad = redistribute_for(op, grad, out.placements)
     g, o = wait_local(grad._local_tensor), wait_local(out._local_tensor)
     total = _all_reduce(
@@ -211,8 +203,10 @@ def _nll_inputs(
     return wait_local(target._local_tensor), weight, want
 
 
-def _nll_applies(x: object, target: object) -> bool:
+def _nll_applies(op: torch._ops.OpOverload, args: Any, kwargs: Any) -> bool:
     """Sharded or Partial (nll is linear in its input) ``(N, C)`` / ``(C,)`` input."""
+    a = bind(op, args, kwargs)
+    x, target = a["self"], a["target"]
     return (
         isinstance(x, _UpstreamDTensor)
         and isinstance(target, _UpstreamDTensor)
@@ -224,14 +218,12 @@ def _nll_applies(x: object, target: object) -> bool:
     )
 
 
-@bypass_dispatch(aten.nll_loss_forward.default)
+@bypass_dispatch(aten.nll_loss_forward.default, when=_nll_applies)
 def sharded_nll_loss(
     op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """``nll_loss_forward`` on batch- and/or class-sharded input (see above)."""
-    x, target, weight, reduction, ignore_index = _bind(op, args, kwargs)
-    if not _nll_applies(x, target):
-        return python_dispatch(op, args, kwargs)
+    x, target, weight, reduction, ignore_index = bind(op, args, kwargs).values()
     class_dims, batch_dims, offset = _nll_layout(x)
     t, w, t_placements = _nll_inputs(op, x, target, weight)
     local = wait_local(x._local_tensor)
@@ -268,14 +260,12 @@ def sharded_nll_loss(
     return out_t, wrap_local(total, x.device_mesh, total_placements, ())
 
 
-@bypass_dispatch(aten.nll_loss_backward.default)
+@bypass_dispatch(aten.nll_loss_backward.default, when=_nll_applies)
 def sharded_nll_loss_backward(
     op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """Local ``nll_loss_backward`` with the local class range and the global total weight."""
-    grad, x, target, weight, reduction, ignore_index, total = _bind(op, args, kwargs)
-    if not _nll_applies(x, target):
-        return python_dispatch(op, args, kwargs)
+    grad, x, target, weight, reduction, ignore_index, total = bind(op, args, kwargs).values()
     _, _, offset = _nll_layout(x)
     t, w, t_placements = _nll_inputs(op, x, target, weight)
     mesh = x.device_mesh
