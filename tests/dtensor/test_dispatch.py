@@ -10,9 +10,12 @@ from torch.distributed.tensor.debug import CommDebugMode
 import vescale
 from tests.dtensor.reference import coord_of, expected_local, mesh_of
 from tests.harness import local_world
+from tests.harness.collectives import count_collectives
 from vescale import DTensor, Partial, Replicate, Shard
 from vescale.dtensor import dispatch, hooks
+from vescale.dtensor.explicit import explicit_redistribute
 from vescale.dtensor.op_args import bind, unbind
+from vescale.dtensor.ops import indexing
 
 aten = torch.ops.aten
 
@@ -233,3 +236,47 @@ def test_when_predicate_applies_each_hook_only_where_it_holds():
         finally:
             hooks.unregister_bypass_sharding_prop(aten.neg.default)
         assert torch.equal(torch.neg(s).full_tensor(), -full)
+
+
+@pytest.mark.parametrize(
+    ("self_placement", "moves", "counts"),
+    [
+        (Shard(0), False, {}),  # in place, index and src already laid out alike
+        (Replicate(), False, {"all_gather": 2}),  # in place: index and src replicated
+        (Shard(1), True, None),  # the scatter dim is sharded: no strategy keeps it
+    ],
+)
+def test_in_place_fallback_is_where_the_in_place_strategy_refuses(self_placement, moves, counts):
+    """``scatter_`` along dim 1: the propagator sends it out of place exactly where upstream's
+    in-place dispatch refuses (the independent reference); both paths give the single-device
+    result and keep ``self``'s placements."""
+    x = torch.randn(8, 6, dtype=torch.float64)
+    index = torch.randint(0, 6, (8, 3))
+    src = torch.randn(8, 3, dtype=torch.float64)
+    expected = x.clone().scatter_(1, index, src)
+    op = aten.scatter_.src
+    with local_world(2), explicit_redistribute(False):
+        mesh = vescale.init_device_mesh("cpu", (2,))
+
+        def operands():
+            return (
+                vescale.distribute_tensor(x, mesh, [self_placement]),
+                1,
+                vescale.distribute_tensor(index, mesh, [Shard(0)]),
+                vescale.distribute_tensor(src, mesh, [Shard(0)]),
+            )
+
+        assert indexing.moves_self(op, operands(), {}) is moves
+        try:
+            hooks.python_dispatch(op, operands(), {})
+            refused = False
+        except RuntimeError:
+            refused = True
+        assert refused is moves
+        args = operands()
+        with count_collectives() as counted:
+            out = args[0].scatter_(*args[1:])
+        assert out is args[0] and tuple(out.placements) == (self_placement,)
+        assert torch.equal(out.full_tensor(), expected)
+    if counts is not None:
+        assert dict(counted) == counts

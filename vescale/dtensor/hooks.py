@@ -51,6 +51,7 @@ __all__ = [
     "bypass_dispatch",
     "bypass_sharding_prop",
     "has_vescale_input",
+    "output_spec",
     "post_dispatch_patch",
     "pre_dispatch_patch",
     "python_dispatch",
@@ -229,6 +230,14 @@ def python_dispatch(
     if participating and op._schema._is_view_op():
         return return_and_correct_aliasing(op, args, kwargs, out)
     return out
+
+
+def output_spec(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Sharding propagation's output spec(s) for ``op`` on these arguments (nothing runs)."""
+    op_info = _dispatcher.unwrap_to_op_info(op, args, kwargs)
+    _dispatcher.sharding_propagator.propagate(op_info)
+    assert op_info.output_sharding is not None
+    return op_info.output_sharding.output_spec
 
 
 def _register(

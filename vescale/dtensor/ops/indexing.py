@@ -15,8 +15,9 @@ per mesh dim, when
 ``index_put``: autograd's backward passes its zero values as a plain tensor, and users index
 with plain tensors; plain tensors among its indices and values are taken as replicated.
 
-In-place ops whose strategy would change ``self``'s placements (upstream refuses them) run
-out of place and the result is redistributed back into ``self``'s local shard (a local slice
+In-place ops for which sharding propagation finds no layout (their strategies must keep
+``self``'s placements) while it lays out their out-of-place twin other than ``self`` run out
+of place, and the result is redistributed back into ``self``'s local shard (a local slice
 when the result is replicated over ``self``'s sharded dims; explicit mode applies).
 """
 
@@ -35,12 +36,23 @@ from vescale._torch_compat import (
 )
 from vescale.dtensor.api import from_local
 from vescale.dtensor.explicit import redistribute_for
-from vescale.dtensor.hooks import bypass_dispatch, pre_dispatch_patch, python_dispatch
+from vescale.dtensor.hooks import (
+    bypass_dispatch,
+    output_spec,
+    pre_dispatch_patch,
+    python_dispatch,
+)
 from vescale.dtensor.op_args import bind, unbind
 from vescale.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from vescale.dtensor.propagation import UnsupportedOpError
 from vescale.dtensor.redistribute import wait_local
 
-__all__ = ["in_place_via_out_of_place", "index_add_strategy", "replicate_plain_tensors"]
+__all__ = [
+    "in_place_via_out_of_place",
+    "index_add_strategy",
+    "moves_self",
+    "replicate_plain_tensors",
+]
 
 aten = torch.ops.aten
 
@@ -54,7 +66,6 @@ OUT_OF_PLACE = {
     aten.index_put_.default: aten.index_put.default,
     aten.index_add_.default: aten.index_add.default,
 }
-_PLACEMENT_CHANGE = "in-place operations that require placement changes"
 
 
 @register_op_strategy([aten.index_add.default, aten.index_add_.default])
@@ -100,18 +111,34 @@ def replicate_plain_tensors(
     return unbind(op, a)
 
 
-@bypass_dispatch(list(OUT_OF_PLACE))
+def moves_self(op: torch._ops.OpOverload, args: Any, kwargs: Any) -> bool:
+    """Whether ``op`` must run out of place: sharding propagation finds no layout for it (its
+    strategies must keep ``self``'s placements) and lays out its out-of-place twin other than
+    ``self``. Anything else (``op`` propagates, has no strategy at all, or its twin fails too)
+    leaves ``op`` to run, and report, as it is."""
+    self = bind(op, args, kwargs)["self"]
+    if not isinstance(self, _UpstreamDTensor):
+        return False
+    try:
+        output_spec(op, args, kwargs)
+        return False
+    except UnsupportedOpError:
+        return False
+    except RuntimeError:
+        pass
+    try:
+        out = output_spec(OUT_OF_PLACE[op], args, kwargs)
+    except RuntimeError:
+        return False
+    return tuple(out.placements) != tuple(self.placements)
+
+
+@bypass_dispatch(list(OUT_OF_PLACE), when=moves_self)
 def in_place_via_out_of_place(
     op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """The in-place op; if no strategy keeps ``self``'s placements, its out-of-place twin
-    redistributed back into ``self`` (see module docstring)."""
-    try:
-        return python_dispatch(op, args, kwargs)
-    except RuntimeError as err:
-        if _PLACEMENT_CHANGE not in str(err):
-            raise
-    self = args[0]
+    """The out-of-place twin of ``op``, redistributed back into ``self`` (module docstring)."""
+    self = bind(op, args, kwargs)["self"]
     out = python_dispatch(OUT_OF_PLACE[op], args, kwargs)
     out = redistribute_for(op, out, self.placements)
     self._local_tensor.copy_(wait_local(out._local_tensor))
