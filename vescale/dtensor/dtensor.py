@@ -14,7 +14,7 @@ What is vescale's is marked on the spec: a ``vescale.DTensor`` carries a
 :class:`VescaleSpec`, equal to the ``DTensorSpec`` with the same fields but hashed apart, so
 upstream's sharding caches (C++ and Python) keep the results of ops on vescale DTensors
 apart from those on upstream DTensors. An op with a vescale input gets ``VescaleSpec``
-outputs (``dispatch.py`` marks them after propagation), and :func:`wrap_output` (upstream's
+outputs (``propagation.py`` marks them after propagation), and :func:`wrap_output` (upstream's
 ``OpDispatcher.wrap``, replaced through ``vescale._patches``) builds a ``vescale.DTensor``
 for those and exactly what upstream builds otherwise. On a cache hit this costs one type
 check per output; upstream DTensors keep upstream's classes and behaviour.
