@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 aten = torch.ops.aten
 
@@ -92,6 +93,33 @@ def _unique(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _sdpa_inputs(r: int, c: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
     b, h, length, e = (2, 4, 6, 3) if r % 2 == 0 else (3, 5, 7, 3)
     return tuple(_f(g, b, h, length, e) for _ in range(3))
+
+
+def _sdpa_mask_inputs(boolean: bool) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """q, k, v and a per-head (b, h, length, length) mask, bool (the diagonal kept, so no row
+    is fully masked) or float."""
+
+    def make(r: int, c: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+        q, k, v = _sdpa_inputs(r, c, g)
+        b, h, length, _ = q.shape
+        if not boolean:
+            return q, k, v, _f(g, b, h, length, length)
+        keep = torch.rand(b, h, length, length, generator=g) > 0.4
+        return q, k, v, keep | torch.eye(length, dtype=torch.bool)
+
+    return make
+
+
+def _math_sdpa(**kwargs: Any) -> Callable[..., torch.Tensor]:
+    """``F.scaled_dot_product_attention(q, k, v[, attn_mask], **kwargs)`` on the math path."""
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *mask: torch.Tensor) -> Any:
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask[0] if mask else None, **kwargs
+            )
+
+    return run
 
 
 def _targets(g: torch.Generator, r: int, c: int, ignore: bool) -> torch.Tensor:
@@ -289,6 +317,32 @@ CASES: Sequence[OpCase] = (
         shared=True,
         mesh_2d=False,
     ),
+    OpCase(
+        "sdpa_math_causal",
+        _math_sdpa(is_causal=True),
+        _sdpa_inputs,
+        grad=(0, 1, 2),
+        partial=(0, 1, 2),
+        shared=True,
+        mesh_2d=False,
+    ),
+    OpCase(
+        "sdpa_math_float_mask",
+        _math_sdpa(),
+        _sdpa_mask_inputs(False),
+        grad=(0, 1, 2),
+        partial=(0, 1, 2, 3),
+        shared=True,
+        mesh_2d=False,
+    ),
+    OpCase(
+        "sdpa_math_bool_mask",
+        _math_sdpa(),
+        _sdpa_mask_inputs(True),
+        grad=(0, 1, 2),
+        shared=True,
+        mesh_2d=False,
+    ),
 )
 
 
@@ -334,8 +388,17 @@ EXTRA_CASES: Sequence[OpCase] = (
         grad=(0,),
         partial=(0,),
     ),
+    OpCase(
+        "sdpa_math_causal_dropout",
+        seeded(_math_sdpa(is_causal=True, dropout_p=0.3)),
+        _sdpa_inputs,
+        grad=(0, 1, 2),
+        partial=(0, 1, 2),
+        shared=True,
+        mesh_2d=False,
+    ),
 )
-"""Chained views (flattening sharded dims: interleaved layouts) and every random op of
-``vescale.dtensor.random`` (seeded), fuzzed like ``CASES``."""
+"""Chained views (flattening sharded dims: interleaved layouts), every random op of
+``vescale.dtensor.random`` and math-path attention's dropout (seeded), fuzzed like ``CASES``."""
 
 BY_NAME = {case.name: case for case in (*CASES, *EXTRA_CASES)}
