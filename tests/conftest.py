@@ -3,6 +3,10 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Inductor compiles in the compiling process: no pool of compile subprocesses (each a fresh
+# interpreter importing torch) in this process, its children or the pool's ranks (whose
+# forkserver inherits this environment), on a machine the ranks already oversubscribe.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # The example models (examples/gpt.py, examples/train_demo.py) are test subjects too; worker
 # processes inherit this path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))

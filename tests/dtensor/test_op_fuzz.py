@@ -215,8 +215,10 @@ def check_layout(
     ref_in = [x.clone().requires_grad_(i in case.grad) for i, x in enumerate(inputs)]
     ref_out = _tensors(case.fn(*ref_in))
     mesh = mesh_for(mesh_shape)
-    d_in = [
-        vescale.distribute_tensor(x, mesh, list(pl)).requires_grad_(i in case.grad)
+    d_in = [  # every rank made the same inputs: each takes its shard of its own copy
+        vescale.distribute_tensor(x, mesh, list(pl), src_data_rank=None).requires_grad_(
+            i in case.grad
+        )
         for i, (x, pl) in enumerate(zip(inputs, layout))
     ]
     with counted() as forward:

@@ -3,6 +3,10 @@
 ``pool.run(fn, *args)`` runs the module-level function ``fn`` on every rank at once and
 returns the per-rank results; any rank's exception (with its traceback) fails the test.
 After a failure or a timeout the pool is rebuilt so one bad test cannot poison the next.
+
+Workers are forked from one forkserver that imported torch and vescale once (no fresh
+interpreter importing them per rank, per pool, per rebuild); nothing else runs in that
+server, so each worker starts from a freshly imported state.
 """
 
 from __future__ import annotations
@@ -38,14 +42,23 @@ def _resolve(module: str, qualname: str) -> Callable[..., Any]:
     return obj  # type: ignore[no-any-return]
 
 
+PRELOAD = ["torch", "torch.distributed", "vescale"]
+"""Imported once by the forkserver every worker is forked from. Its environment is the pytest
+process's when the first pool starts: tests/conftest.py sets ``OMP_NUM_THREADS=1`` and
+``TORCHINDUCTOR_COMPILE_THREADS=1`` (Inductor compiles in the rank's process, no pool of
+compile subprocesses per rank) before anything imports torch."""
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def _worker_main(
     rank: int, world_size: int, port: int, tasks: Any, results: Any, path: list[str]
 ) -> None:
     sys.path[:] = path
-    os.environ["OMP_NUM_THREADS"] = "1"
-    # Inductor compiles in this process: no pool of compile subprocesses per rank (each one a
-    # fresh interpreter importing torch) on a machine the ranks already oversubscribe.
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     import torch
     import torch.distributed as dist
 
@@ -60,8 +73,8 @@ def _worker_main(
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
     results.put((None, rank, "ready", None))
-    while (task := tasks.get()) is not None:
-        task_id, module, qualname, args, env = task
+    while True:  # until the pool kills this process
+        task_id, module, qualname, args, env = tasks.get()
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
@@ -76,7 +89,6 @@ def _worker_main(
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-    dist.destroy_process_group()
 
 
 class WorkerPool:
@@ -89,7 +101,7 @@ class WorkerPool:
         self._start()
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         port = _free_port()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
@@ -159,8 +171,6 @@ class WorkerPool:
         self._start()
 
     def close(self) -> None:
-        for q in self._tasks:
-            q.put(None)
-        for p in self._procs:
-            p.join(timeout=30)
+        """End the workers at once (nothing of theirs outlives the session: no orderly
+        process-group teardown and interpreter exit to wait for)."""
         self._kill()
