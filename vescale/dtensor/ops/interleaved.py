@@ -33,6 +33,7 @@ from vescale._torch_compat import (
     StridedShard,
     redistribute_cost,
 )
+from vescale.dtensor.op_args import bind
 from vescale.dtensor.ops._registry import PROPAGATOR, wrap_upstream_strategy
 from vescale.dtensor.placement_types import Placement, Shard
 
@@ -87,6 +88,10 @@ def _strategy(
     )
 
 
+def _bound(schema: OpSchema) -> dict[str, Any]:
+    return bind(schema.op, schema.args_schema, schema.kwargs_schema)
+
+
 def _split_sizes(schema: OpSchema, size: int) -> list[int]:
     arg = schema.args_schema[1]
     if isinstance(arg, int):
@@ -99,8 +104,7 @@ def interleaved_split_sizes(schema: OpSchema) -> tuple[int, int, int] | None:
     spec = _single(schema.args_schema[0])
     if spec is None:
         return None
-    dim = schema.args_schema[2] if len(schema.args_schema) > 2 else 0
-    dim = int(dim) % spec.ndim  # type: ignore[call-overload]
+    dim = int(_bound(schema)["dim"]) % spec.ndim
     found = _sharding(spec, dim)
     sizes = _split_sizes(schema, spec.shape[dim])
     if found is None or found[1] < 2 or len(set(sizes)) != 1 or found[1] % len(sizes):
@@ -141,13 +145,13 @@ def _slice_plan(schema: OpSchema) -> tuple[int, int, int, int, int] | None:
     spec = _single(schema.args_schema[0])
     if spec is None:
         return None
-    args = [*schema.args_schema[1:], None, None, None, None][:4]
-    dim = int(args[0] or 0) % spec.ndim  # type: ignore[call-overload]
+    a = _bound(schema)
+    dim = int(a["dim"]) % spec.ndim
     found = _sharding(spec, dim)
-    if found is None or found[1] < 2 or (args[3] is not None and args[3] != 1):
+    if found is None or found[1] < 2 or a["step"] != 1:
         return None
     size, (mesh_dim, k) = spec.shape[dim], found
-    start, end, _ = slice(args[1], args[2]).indices(size)  # type: ignore[arg-type]
+    start, end, _ = slice(a["start"], a["end"]).indices(size)
     group = size // k
     if end <= start or start % group or end % group:
         return None
@@ -176,7 +180,7 @@ def _local_slice(specs: list[DTensorSpec], schema: OpSchema) -> OpSchema:
     mesh_dim, dim, start, end, _ = plan
     n = specs[0].mesh.size(mesh_dim)
     args = (schema.args_schema[0], dim, start // n, end // n, 1)
-    return OpSchema(schema.op, args, schema.kwargs_schema)
+    return OpSchema(schema.op, args, {})  # every argument given positionally
 
 
 def _cat_plan(schema: OpSchema) -> tuple[list[DTensorSpec], int, int, int] | None:
@@ -186,7 +190,7 @@ def _cat_plan(schema: OpSchema) -> tuple[list[DTensorSpec], int, int, int] | Non
     if len(specs) < 2 or any(s is None for s in specs):
         return None
     first: DTensorSpec = specs[0]  # type: ignore[assignment]
-    dim = int(schema.args_schema[1]) % first.ndim if len(schema.args_schema) > 1 else 0  # type: ignore[call-overload]
+    dim = int(_bound(schema)["dim"]) % first.ndim
     found = _sharding(first, dim)
     same = all(
         s.placements == first.placements and s.shape == first.shape  # type: ignore[union-attr]
