@@ -252,6 +252,12 @@ def _check_gpt_collectives(dump_root):
     # cross-entropy's two per-token all-reduces (tp), the mean's global target count (dp)
     forward = [(r["kind"], r["mesh_dim"]) for r in records if r["graph"].endswith("forward")]
     assert forward == [("all_reduce", 1)] * 6 + [("all_reduce", 0)], forward
+    # backward over tp: one all-reduce per layer norm (5) and the loss's, no reduce-scatter +
+    # all-gather pairs (layer-norm backward keeps its input's layout: ops/norm_backward.py)
+    tp_backward = [
+        r["kind"] for r in records if r["graph"].endswith("backward") and r["mesh_dim"] == 1
+    ]
+    assert tp_backward == ["all_reduce"] * 6, tp_backward
     # backward: every parameter's gradient all-reduced over dp, once (a gradient Partial over
     # tp too: one all-reduce over the flattened dp x tp group, mesh_dim None)
     dp_grads = [

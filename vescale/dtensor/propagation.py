@@ -21,6 +21,7 @@ __all__ = [
     "mark_vescale",
     "op_list",
     "propagate_op_sharding",
+    "upstream_propagate",
     "vescale_propagation_rule",
 ]
 
@@ -65,6 +66,12 @@ def _describe_inputs(schema: OpSchema) -> str:
     inputs = ", ".join(f"{tuple(s.placements)} {list(s.shape)}" for s in specs)
     mesh = specs[0].mesh if specs else None
     return f"inputs {inputs} on {mesh}"
+
+
+def upstream_propagate(op_schema: OpSchema) -> OutputSharding:
+    """Upstream's strategies alone (vescale's wrapped ones included, no vescale rule for the
+    op itself): for rules that adjust the schema and let upstream decide the rest."""
+    return _upstream_propagate(op_schema)  # type: ignore[no-any-return]
 
 
 def vescale_propagation_rule(op: OpOverload | Sequence[OpOverload]) -> Callable[[RuleFn], RuleFn]:

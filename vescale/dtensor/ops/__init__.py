@@ -14,6 +14,7 @@ from vescale.dtensor.ops import (
     loss,
     negative_dims,
     norm,
+    norm_backward,
     view,
 )
 
@@ -31,5 +32,6 @@ __all__ = [
     "loss",
     "negative_dims",
     "norm",
+    "norm_backward",
     "view",
 ]
