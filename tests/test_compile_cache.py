@@ -2,14 +2,17 @@
 reuses Inductor's FX graph cache (keyed on the graph after vescale's passes), and a changed
 backend option or a changed placement, which change that graph, compiles anew.
 
-Each process is a child on the single-process ``fake`` process group (2 ranks), with one fresh
-``TORCHINDUCTOR_CACHE_DIR`` shared by both children.
+Each process is a child on the single-process ``fake`` process group (2 ranks). Both use
+Inductor's default cache directory, whose compiled C++ (CPU feature probes, precompiled
+headers, kernels) earlier compiles left warm; the program carries a constant drawn per test
+run (the salt), so its graphs are new to the FX graph cache: the first child misses.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -20,18 +23,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _program(x: Any, w1: Any, w2: Any) -> Any:
+def _program(x: Any, w1: Any, w2: Any, salt: int) -> Any:
     """Two row-parallel linears (weights brought to ``Shard(1)`` first, a no-op if they are),
-    their outputs all-reduced and multiplied."""
+    their outputs all-reduced and multiplied; times ``salt`` (an int: a constant of the
+    graph)."""
     from vescale import Replicate, Shard
 
     mesh, r = x.device_mesh, [Replicate()]
     a = x @ w1.redistribute(mesh, [Shard(1)]).t()
     b = x @ w2.redistribute(mesh, [Shard(1)]).t()
-    return (a.redistribute(mesh, r) * b.redistribute(mesh, r)).sum()
+    return (a.redistribute(mesh, r) * b.redistribute(mesh, r)).sum() * salt
 
 
-def _compile_counts(variants: list[str]) -> dict[str, dict[str, int]]:
+def _compile_counts(salt: int, variants: list[str]) -> dict[str, dict[str, int]]:
     """Run in a child: for each variant, compile forward and backward of two row-parallel
     linears (two all-reduces) and return Inductor's FX-graph cache counters of that compile."""
     import torch.distributed as dist
@@ -55,22 +59,21 @@ def _compile_counts(variants: list[str]) -> dict[str, dict[str, int]]:
 
         torch._dynamo.reset()
         counters.clear()
-        torch.compile(_program, backend="vescale", options=options)(x, w1, w2).backward()
+        torch.compile(_program, backend="vescale", options=options)(x, w1, w2, salt).backward()
         out[variant] = {k: v for k, v in counters["inductor"].items() if "fxgraph_cache" in k}
     dist.destroy_process_group()
     return out
 
 
-def _child(cache_dir: Path, variants: list[str]) -> dict[str, dict[str, int]]:
+def _child(salt: int, variants: list[str]) -> dict[str, dict[str, int]]:
     code = (
         "import json, sys; from tests.test_compile_cache import _compile_counts; "
-        "print('COUNTS', json.dumps(_compile_counts(sys.argv[1:])))"
+        "print('COUNTS', json.dumps(_compile_counts(int(sys.argv[1]), sys.argv[2:])))"
     )
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-c", code, *variants],
+        [sys.executable, "-c", code, str(salt), *variants],
         cwd=ROOT,
-        env=env,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
         timeout=600,
@@ -80,10 +83,11 @@ def _child(cache_dir: Path, variants: list[str]) -> dict[str, dict[str, int]]:
     return json.loads(line.removeprefix("COUNTS "))  # type: ignore[no-any-return]
 
 
-def test_second_process_hits_and_changes_recompile(tmp_path):
-    cold = _child(tmp_path, ["base"])
+def test_second_process_hits_and_changes_recompile():
+    salt = random.SystemRandom().randrange(2, 2**31)
+    cold = _child(salt, ["base"])
     assert cold["base"] == {"fxgraph_cache_miss": 2}, cold  # forward and backward graphs
-    warm = _child(tmp_path, ["base", "bucket_cap_mb=0", "weights Shard(0)"])
+    warm = _child(salt, ["base", "bucket_cap_mb=0", "weights Shard(0)"])
     assert warm["base"] == {"fxgraph_cache_hit": 2}, warm
     # no bucketing: two all-reduces instead of one merged, in the forward graph
     assert warm["bucket_cap_mb=0"].get("fxgraph_cache_miss", 0) >= 1, warm
