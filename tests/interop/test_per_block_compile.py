@@ -23,6 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
+from tests.harness.pool import WorkerPool
 from tests.interop._models import D, full, mlp
 from tests.interop.test_tp_styles import PLAN
 from vescale.backend import capture_graphs
@@ -39,7 +40,7 @@ def _inflight_input(piece: torch.Tensor, tp_mesh) -> DTensor:  # type: ignore[no
     return x
 
 
-def _check(dp: int, compiled: bool) -> None:
+def _check(dp: int, compiled: bool, codegen: str = "fx") -> None:
     """``dp`` x 2 mesh (FSDP2 over dp when ``dp`` > 1): two blocks, loss ``sum(y*y)`` per dp
     rank; gradients (averaged over dp by FSDP2) equal the one-device gradient of the mean."""
     torch._dynamo.reset()
@@ -61,7 +62,7 @@ def _check(dp: int, compiled: bool) -> None:
     if compiled:
         for i, block in enumerate(blocks):
             blocks[i] = torch.compile(
-                block, backend="vescale", fullgraph=True, options={"codegen": "fx"}
+                block, backend="vescale", fullgraph=True, options={"codegen": codegen}
             )
     rows = slice(dp_rank * BATCH, (dp_rank + 1) * BATCH)
     piece = pieces[tp_rank, rows].clone().requires_grad_()
@@ -80,11 +81,13 @@ def _check(dp: int, compiled: bool) -> None:
         key = name.replace("_orig_mod.", "")
         torch.testing.assert_close(full(p.grad), ref_grads[key].grad, rtol=0, atol=1e-12, msg=key)
     if compiled:
-        # the first block's forward waits on its input; its backward re-waits the unwaited
-        # input AOTAutograd saved (the collective completed in the forward: a no-op)
+        # the first block's forward waits on its input; its backward may re-wait the input
+        # if AOTAutograd's partitioner saved it unwaited (fx codegen: the collective completed
+        # in the forward, a no-op); no other graph has an in-flight input
         first = graphs[0].name.removesuffix(".forward")
         inflight = {g.name for g in graphs if g.ctx.reports["boundary"]["inflight_inputs"]}
-        assert inflight == {f"{first}.forward", f"{first}.backward"}, inflight
+        assert f"{first}.forward" in inflight, inflight
+        assert inflight <= {f"{first}.forward", f"{first}.backward"}, inflight
         assert len(graphs) == 4, [g.name for g in graphs]  # forward + backward per block
         assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     torch._dynamo.reset()
@@ -97,3 +100,16 @@ def test_sequence_parallel_blocks_with_inflight_input(pool2, compiled):
 
 def test_fsdp2_sequence_parallel_blocks_with_inflight_input(pool4):
     pool4.run(_check, 2, True)
+
+
+@pytest.mark.full
+def test_sequence_parallel_blocks_with_inflight_input_inductor():
+    """The same through Inductor codegen: its kernels read the input after the graph's wait.
+    In fresh processes: upstream Inductor (``backend="inductor"`` too) fails on these blocks
+    with "device_mesh._get_submesh is not an OpOverload" in a process that ran them eagerly
+    before (torch 2.13)."""
+    pool = WorkerPool(2)
+    try:
+        pool.run(_check, 1, True, "inductor", timeout_s=900)
+    finally:
+        pool.close()
