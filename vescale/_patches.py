@@ -227,6 +227,7 @@ def _attribute_table() -> list[_Attribute]:
         upstream_loss_module,
     )
     from vescale.dtensor import (
+        _legacy,
         device_mesh,
         dtensor,
         explicit,
@@ -297,6 +298,12 @@ def _attribute_table() -> list[_Attribute]:
             "is_interleaved_shard",
             placement_types.legacy_is_interleaved_shard,
             "all placements: veScale legacy's query (False but on InterleavedShard)",
+        ),
+        _Attribute(
+            placement_types.Shard,
+            "_unpad_tensor",
+            _legacy.legacy_unpad_tensor,
+            "all Shard placements: veScale legacy's helper undoing _split_tensor's padding",
         ),
     ]
 

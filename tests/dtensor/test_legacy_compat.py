@@ -298,3 +298,20 @@ def _check_loss_parallel() -> None:
 
 def test_loss_parallel_import_path(pool4):
     pool4.run(_check_loss_parallel)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_shard_unpad_tensor_undoes_split_padding(dim):
+    """Legacy's ``Shard._unpad_tensor`` on the padded pieces of ``_split_tensor`` gives
+    ``torch.chunk``'s pieces (13 rows over 4: 4, 4, 4, 1; over 6: five of 3, none), as views."""
+    t = torch.arange(13 * 5, dtype=torch.float64).view(13, 5)
+    t = t if dim == 0 else t.t().contiguous()
+    for n in (4, 6):
+        padded, pads = Shard(dim)._split_tensor(t, n, with_padding=True, contiguous=True)
+        chunks = list(torch.chunk(t, n, dim=dim))
+        assert len(padded) == n and len(set(p.size(dim) for p in padded)) == 1
+        for i, (piece, pad) in enumerate(zip(padded, pads)):
+            out = Shard(dim)._unpad_tensor(piece, pad)
+            assert out._base is piece or out._base is piece._base  # a view
+            want = chunks[i] if i < len(chunks) else t.narrow(dim, 0, 0)
+            assert torch.equal(out, want), (n, i)

@@ -3,17 +3,21 @@
 ``vescale_all_gather`` / ``vescale_all_reduce`` / ``vescale_reduce_scatter``: a
 ``redistribute`` to Replicate (gather, reduce) or Shard (reduce-scatter) on the given mesh
 dims. (Legacy's constructor and ``DTensor.tolist()`` are the class's own, in
-:mod:`vescale.dtensor.dtensor`.)
+:mod:`vescale.dtensor.dtensor`.) ``Shard._unpad_tensor``: legacy's helper on upstream's
+``Shard`` (installed by ``vescale._patches``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from vescale.dtensor.dtensor import DTensor
 from vescale.dtensor.placement_types import Replicate, Shard
 
 __all__ = [
+    "legacy_unpad_tensor",
     "vescale_all_gather",
     "vescale_all_reduce",
     "vescale_reduce_scatter",
@@ -90,3 +94,9 @@ def vescale_reduce_scatter(
     for sd, md in zip(sdims, mdims):
         pl[md] = Shard(sd % d_tensor.ndim)
     return d_tensor.redistribute(placements=pl, async_op=async_op)
+
+
+def legacy_unpad_tensor(self: Shard, tensor: torch.Tensor, pad_size: int) -> torch.Tensor:
+    """veScale legacy's ``Shard._unpad_tensor``: ``tensor`` without the last ``pad_size``
+    entries along the shard dim (a view), undoing ``Shard._split_tensor``'s padding."""
+    return tensor.narrow(self.dim, 0, tensor.size(self.dim) - pad_size)
