@@ -11,6 +11,7 @@ server, so each worker starts from a freshly imported state.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import multiprocessing as mp
 import os
@@ -132,10 +133,24 @@ class WorkerPool:
         env: dict[str, str] | None = None,
     ) -> list[Any]:
         """Run ``fn(*args)`` on every rank; return the results indexed by rank."""
+        return self.submit(fn, *args, timeout_s=timeout_s, env=env)()
+
+    def submit(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout_s: float = 2 * COLLECTIVE_TIMEOUT_S,
+        env: dict[str, str] | None = None,
+    ) -> Callable[[], list[Any]]:
+        """Start ``fn(*args)`` on every rank and return at once; calling the returned function
+        waits for the results as :meth:`run` does (so two pools can work at the same time)."""
         self._task_id += 1
         tid = self._task_id
         for q in self._tasks:
             q.put((tid, fn.__module__, fn.__qualname__, args, dict(env or {})))
+        return functools.partial(self._collect, tid, fn.__qualname__, timeout_s)
+
+    def _collect(self, tid: int, name: str, timeout_s: float) -> list[Any]:
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
         while len(out) + len(errors) < self.world_size:
@@ -145,16 +160,16 @@ class WorkerPool:
                 missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
                 self._restart()
                 raise WorkerError(
-                    f"{fn.__qualname__}: ranks {missing} did not finish in {timeout_s}s"
+                    f"{name}: ranks {missing} did not finish in {timeout_s}s"
                     + "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
                 ) from None
             if task_id != tid:
-                continue  # a late answer from a task that timed out before the restart
+                continue  # a late answer from a task that failed or timed out before
             (out if status == "ok" else errors)[rank] = value
         if errors:
             self._restart()
             raise WorkerError(
-                f"{fn.__qualname__} failed on ranks {sorted(errors)}"
+                f"{name} failed on ranks {sorted(errors)}"
                 + "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
             )
         return [out[r] for r in range(self.world_size)]
