@@ -20,8 +20,9 @@ forward, backward and an SGD step:
   same output shape (an all-reduce by its input, others by zeros) and waits dropped: the step
   with free communication, a lower bound.
 
-Step time is the median over ``--steps`` after three warm-up steps (rank 0); compile time is
-the first step minus that median. Collectives and bytes per step are counted with the
+Every mode is built and warmed up (three steps) first; then ``--steps`` rounds time one step
+of every mode in turn, so all medians (rank 0) come from the same stretch of a shared
+machine's drifting load. Compile time is the first step minus that median. Collectives and bytes per step are counted with the
 profiler (every ``_c10d_functional`` collective, wherever it is issued, Inductor's in-place
 variants included; bytes of this rank's inputs). Last, ``vescale / best upstream`` (the
 fastest upstream mode) and ``vescale / compute only``.
@@ -31,10 +32,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -43,6 +46,7 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._inductor.compile_fx import compile_fx
 from torch.distributed.device_mesh import init_device_mesh as upstream_init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate
@@ -55,6 +59,7 @@ import gpt
 import vescale
 from vescale import backend as vescale_backend
 from vescale.backend import PASSES_OFF
+from vescale.backend import vescale_backend as vescale_backend_fn
 from vescale.ddp import DistributedDataParallel
 from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR
 
@@ -96,8 +101,12 @@ COMM_PASSES: dict[str, Any] = {
 def _vescale_step(mesh: vescale.DeviceMesh, backend: str | None, options: dict | None) -> Step:
     model: torch.nn.Module = DistributedDataParallel(gpt.parallelize(gpt.build(CFG), mesh))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    if backend is not None:
-        model = torch.compile(model, backend=backend, options=options)
+    # a backend object per mode: Dynamo's cache entries match the backend by identity, and
+    # every mode lives in one process, so modes must not reuse one another's graphs
+    if backend == "vescale":
+        model = torch.compile(model, backend=functools.partial(vescale_backend_fn, options=options))
+    elif backend == "inductor":
+        model = torch.compile(model, backend=functools.partial(compile_fx))
     return model, opt, [gpt.shard_batch(mesh, *gpt.batch(CFG, i)) for i in range(4)]
 
 
@@ -174,10 +183,19 @@ def _compute_only() -> Iterator[None]:
         vescale_backend.PIPELINE.passes.pop()
 
 
-def _run(
-    build: Callable[[], Step], steps: int, scope: contextlib.AbstractContextManager | None = None
-) -> tuple[float, float, int, int]:
-    torch._dynamo.reset()
+@dataclass
+class _Mode:
+    step: Callable[[int], None]
+    first_s: float  # the first step: compile + one step
+    collectives: int
+    nbytes: int
+    times: list[float] = field(default_factory=list)
+
+
+def _prepare(
+    build: Callable[[], Step], scope: contextlib.AbstractContextManager | None = None
+) -> _Mode:
+    """Build a mode and run its three warm-up steps inside ``scope`` (compiles happen there)."""
     with scope or contextlib.nullcontext():
         model, opt, batches = build()
 
@@ -187,35 +205,42 @@ def _run(
             loss.backward()
             opt.step()
 
-        times = []
-        for i in range(steps + 3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(0)
+        first = time.perf_counter() - t0
+        step(1)
+        step(2)
+        return _Mode(step, first, *_count(step))
+
+
+def _time_interleaved(modes: dict[str, _Mode], steps: int) -> None:
+    """``steps`` rounds, each one step of every mode in turn: a shared machine's load
+    drifts over minutes, so every mode's median is taken over the same stretch of time."""
+    for i in range(steps):
+        for mode in modes.values():
             dist.barrier()
             t0 = time.perf_counter()
-            step(i)
-            times.append(time.perf_counter() - t0)
-        median = statistics.median(times[3:])
-        return median, times[0] - median, *_count(step)
+            mode.step(3 + i)
+            mode.times.append(time.perf_counter() - t0)
 
 
-def _upstream_comm_passes(
-    mesh: vescale.DeviceMesh, steps: int
-) -> tuple[str, tuple[float, float, int, int]]:
+def _upstream_comm_passes(mesh: vescale.DeviceMesh) -> tuple[str, _Mode]:
     """``upstream inductor`` with Inductor's communication passes; overlap scheduling too
     where it compiles on CPU."""
     try:
         flags = {**COMM_PASSES, "aten_distributed_optimizations.enable_overlap_scheduling": True}
-        row = _run(
-            lambda: _vescale_step(mesh, "inductor", None), steps, inductor_config.patch(flags)
-        )
-        return "upstream ind. + comm+overlap", row
+        mode = _prepare(lambda: _vescale_step(mesh, "inductor", None), inductor_config.patch(flags))
+        return "upstream ind. + comm+overlap", mode
     except Exception as err:
         if dist.get_rank() == 0:
             first = str(err).strip().splitlines()[-1][:160] if str(err).strip() else ""
             print(f"overlap scheduling fails on CPU ({type(err).__name__}: {first}): without it")
-    row = _run(
-        lambda: _vescale_step(mesh, "inductor", None), steps, inductor_config.patch(COMM_PASSES)
+    torch._dynamo.reset()
+    mode = _prepare(
+        lambda: _vescale_step(mesh, "inductor", None), inductor_config.patch(COMM_PASSES)
     )
-    return "upstream ind. + comm passes", row
+    return "upstream ind. + comm passes", mode
 
 
 def main() -> None:
@@ -238,19 +263,23 @@ def main() -> None:
     }
     for cap in args.sweep:
         vescale_modes[f"  bucket_cap_mb={cap:g}"] = ("vescale", {"bucket_cap_mb": cap})
-    rows: dict[str, tuple[float, float, int, int]] = {}
+    modes: dict[str, _Mode] = {}
+    if "upstream inductor + comm passes" not in args.skip:  # first: its fallback resets Dynamo
+        comm_name, comm_mode = _upstream_comm_passes(mesh)
     for name, (backend, opts) in vescale_modes.items():
         if name not in args.skip:
-            rows[name] = _run(lambda b=backend, o=opts: _vescale_step(mesh, b, o), args.steps)
+            modes[name] = _prepare(lambda b=backend, o=opts: _vescale_step(mesh, b, o))
     if "upstream inductor + comm passes" not in args.skip:
-        name, row = _upstream_comm_passes(mesh, args.steps)
-        rows[name] = row
+        modes[comm_name] = comm_mode
     if "torchtitan 2-D" not in args.skip:
-        rows["torchtitan 2-D"] = _run(_titan_step, args.steps)
-    rows["compute only"] = _run(
-        lambda: _vescale_step(mesh, "vescale", {}), args.steps, _compute_only()
-    )
+        modes["torchtitan 2-D"] = _prepare(_titan_step)
+    modes["compute only"] = _prepare(lambda: _vescale_step(mesh, "vescale", {}), _compute_only())
+    _time_interleaved(modes, args.steps)
     if dist.get_rank() == 0:
+        rows = {}
+        for name, m in modes.items():
+            median = statistics.median(m.times)
+            rows[name] = (median, m.first_s - median, m.collectives, m.nbytes)
         _print(rows, mesh)
     dist.barrier()
     dist.destroy_process_group()
