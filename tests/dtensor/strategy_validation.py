@@ -110,8 +110,33 @@ VALIDATION_CASES: Sequence[OpCase] = (
         partial=(0,),
     ),
     OpCase(
+        "empty_dim_list",  # [] reduces every dim (upstream's strategies read it as none)
+        lambda x: (
+            torch.sum(x, [], keepdim=True),
+            torch.mean(x, []),
+            torch.nansum(x, []),
+            torch.amax(x, []),
+            torch.amin(x, [], keepdim=True),
+            torch.var(x.detach(), []),  # gradient: case var_std
+            torch.std(x.detach(), [], keepdim=True),
+            torch.var_mean(x, [])[1],
+            torch.linalg.vector_norm(x, 3, dim=[]),
+            torch.ops.aten.linalg__powsum(x.detach(), 2.0, []),  # no derivative
+        ),
+        lambda r, c, g: (_f(g, r, c),),
+        grad=(0,),
+        partial=(0,),
+    ),
+    OpCase(
+        "var_std",
+        lambda x: torch.var(x, []),
+        lambda r, c, g: (_f(g, r, c),),
+        grad=(0,),
+        partial=(0,),
+    ),
+    OpCase(
         "foreach_norm",  # clip_grad_norm_'s reduction: _NormPartial per tensor
-        lambda x, y: tuple(torch._foreach_norm([x, y])),
+        lambda x, y: (*torch._foreach_norm([x, y]), *torch._foreach_norm([x, y], float("inf"))),
         lambda r, c, g: (_f(g, r, c), _f(g, c, r)),
         grad=(0, 1),
         partial=(0, 1),
@@ -204,10 +229,9 @@ PRIVATE_PLACEMENT_OPS = (
 """Upstream ops whose strategies produce private placements, validated with vescale's."""
 
 KNOWN_WRONG: dict[str, str] = {
-    "vector_norm": "linalg_vector_norm(x, -inf) over all dims of a sharded x, e.g. (Shard(0), "
-    "Replicate()) on 2x2: NaN gradient (the forward is right; autograd's backward divides by "
-    "the count of minima in each local shard, 0 where a shard holds none; vescale's norm "
-    "handler runs below autograd, so it cannot change what the backward saved) (issue 18)",
+    "var_std": "torch.var(x, []) (an empty dim list: every dim) on (Shard(0), Shard(1)) on "
+    "2x2: the forward is right, the gradient wrong and laid out (Partial(avg), Partial(avg)); "
+    "var(x, (0, 1)) and var(x, 1) are right (issue 18, found by this validation)",
 }
 """Cases whose wrong answers the validation found and are not fixed yet, with the layout."""
 

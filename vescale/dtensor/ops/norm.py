@@ -1,33 +1,65 @@
-"""Infinity norms over sharded dims.
+"""Infinity norms and ``amax`` / ``amin`` over sharded dims, and reductions over an empty dim
+list.
 
-Upstream reduces ``linalg_vector_norm`` / ``_foreach_norm`` with ``ord=±inf`` shard by shard
-and combines the local maxima (minima), which fails two ways: ``max`` / ``min`` of nothing
-has no identity, so a rank holding an empty shard of a reduced dim ((5, 7) as ``Shard(0)`` on
-4 ranks holds 2, 2, 1 and 0 rows) raises while the others wait in the all-reduce until it
-times out; and the backward divides by the number of elements equal to the norm *in the local
-shard*, which is 0 on every shard not holding the extremum: NaN gradients (upstream's own
-DTensors do both). Here the mesh dims sharding a reduced dim, and Partial mesh dims, are
-replicated first (an all-gather / all-reduce; explicit mode applies), so the norm and its
-backward are computed on whole rows; every other norm runs as upstream runs it.
+Upstream reduces ``linalg_vector_norm`` / ``_foreach_norm`` with ``ord=±inf`` (and ``amax`` /
+``amin``) shard by shard
+and combines the local maxima (minima); ``max`` / ``min`` of nothing has no identity, so a
+rank holding an empty shard of a reduced dim ((5, 7) as ``Shard(0)`` on 4 ranks holds 2, 2,
+1 and 0 rows) raises while the others wait in the all-reduce until it times out (upstream's
+own DTensors do the same). Here the mesh dims sharding such a dim are replicated first (an
+all-gather; explicit mode applies), so no rank reduces an empty shard; every other norm runs
+as upstream runs it (local extrema combined as ``Partial(max)`` / ``Partial(min)``).
+
+A norm's backward over all dims (``dim=None``) counts the extrema with
+``sum(mask, dim=[], keepdim=True)``: an empty dim list reduces every dim, but upstream's
+reduction strategies read it as "reduce nothing" and keep the input's shards, so each rank
+divided by the count in its own shard (NaN gradients where a shard holds no extremum, and
+ranks that then disagree on shapes and hang in a collective). For :data:`ALL_DIMS_OPS` the
+strategy sees every dim in place of ``[]``; the kernel still gets the caller's ``[]``, except
+``nansum``, whose meta kernel (which gives the global shape) reduces nothing for ``[]``: it
+gets every dim.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
+from vescale._torch_compat import OpSchema
 from vescale.dtensor.explicit import redistribute_for
-from vescale.dtensor.hooks import bypass_dispatch, python_dispatch
+from vescale.dtensor.hooks import bypass_dispatch, pre_dispatch_patch, python_dispatch
+from vescale.dtensor.layout import empty_shard_dims
+from vescale.dtensor.ops._registry import wrap_upstream_strategy
 from vescale.dtensor.placement_types import Replicate
 
-__all__ = ["INF_NORMS", "inf_norm_on_whole_rows"]
+__all__ = [
+    "ALL_DIMS_OPS",
+    "EXTREMA",
+    "INF_NORMS",
+    "inf_norm_without_empty_shards",
+    "nansum_all_dims",
+]
 
 aten = torch.ops.aten
 INF_NORMS = [aten.linalg_vector_norm.default, aten._foreach_norm.Scalar]
+EXTREMA = [aten.amax.default, aten.amin.default]
+ALL_DIMS_OPS: dict[torch._ops.OpOverload, int] = {
+    aten.sum.dim_IntList: 1,
+    aten.mean.dim: 1,
+    aten.nansum.default: 1,
+    aten.amax.default: 1,
+    aten.amin.default: 1,
+    aten.std.correction: 1,
+    aten.var.correction: 1,
+    aten.var_mean.correction: 1,
+    aten.linalg_vector_norm.default: 2,
+    aten.linalg__powsum.default: 2,
+}
+"""Reductions whose empty dim list means every dim, with the position of that list."""
 
 
 def _reduced(x: _UpstreamDTensor, dim: int | Sequence[int] | None) -> set[int]:
@@ -36,30 +68,63 @@ def _reduced(x: _UpstreamDTensor, dim: int | Sequence[int] | None) -> set[int]:
     return {d % max(x.ndim, 1) for d in dims}
 
 
-def _whole_rows(op: torch._ops.OpOverload, x: Any, dims: set[int]) -> Any:
-    """``x`` with the mesh dims sharding a dim among ``dims``, and Partial ones, replicated."""
+def _without_empty_shards(op: torch._ops.OpOverload, x: Any, dims: set[int]) -> Any:
+    """``x`` with the mesh dims sharding an empty-shard dim among ``dims`` replicated."""
     if not isinstance(x, _UpstreamDTensor):
         return x
-    placements = [
-        Replicate() if p.is_partial() or any(p.is_shard(d) for d in dims) else p
-        for p in x.placements
-    ]
-    if placements == list(x.placements):
+    empty = set(empty_shard_dims(x._spec)) & dims
+    if not empty:
         return x
+    placements = [Replicate() if any(p.is_shard(d) for d in empty) else p for p in x.placements]
     return redistribute_for(op, x, placements)
 
 
-@bypass_dispatch(INF_NORMS)
-def inf_norm_on_whole_rows(
+@bypass_dispatch([*INF_NORMS, *EXTREMA])
+def inf_norm_without_empty_shards(
     op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """An infinity norm computed on whole rows of its reduced dims (see module docstring)."""
+    """An infinity norm, ``amax`` or ``amin`` reducing no empty shard (see module docstring)."""
+    if op in EXTREMA:
+        dims = _reduced(args[0], args[1] if len(args) > 1 else kwargs.get("dim"))
+        return python_dispatch(op, (_without_empty_shards(op, args[0], dims), *args[1:]), kwargs)
     order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
     if not math.isinf(float(order)):
         return python_dispatch(op, args, kwargs)
     if op is aten._foreach_norm.Scalar:
-        first: Any = [_whole_rows(op, t, set(range(t.ndim))) for t in args[0]]
+        first: Any = [_without_empty_shards(op, t, set(range(t.ndim))) for t in args[0]]
     else:
         dim = args[2] if len(args) > 2 else kwargs.get("dim")
-        first = _whole_rows(op, args[0], _reduced(args[0], dim))
+        first = _without_empty_shards(op, args[0], _reduced(args[0], dim))
     return python_dispatch(op, (first, *args[1:]), kwargs)
+
+
+def _all_dims(upstream: Callable[[OpSchema], Any]) -> Callable[[OpSchema], Any]:
+    """``upstream`` seeing every dim of the input where the schema names an empty dim list."""
+
+    def strategy(schema: OpSchema) -> Any:
+        args, pos = schema.args_schema, ALL_DIMS_OPS[schema.op]
+        ndim = getattr(args[0], "ndim", 0)
+        if len(args) > pos and isinstance(args[pos], (list, tuple)) and not args[pos] and ndim:
+            args = (*args[:pos], list(range(ndim)), *args[pos + 1 :])
+            schema = OpSchema(schema.op, args, schema.kwargs_schema, schema.schema_info)
+        return upstream(schema)
+
+    return strategy
+
+
+for _op in ALL_DIMS_OPS:
+    wrap_upstream_strategy(_op, _all_dims, "all_dims")
+
+
+def _empty_dims(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    return isinstance(dim, (list, tuple)) and not dim and args[0].ndim > 0
+
+
+@pre_dispatch_patch(aten.nansum.default, when=_empty_dims)
+def nansum_all_dims(
+    op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``nansum(x, [])`` as ``nansum(x, every dim)`` (see module docstring)."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "dim"}
+    return (args[0], list(range(args[0].ndim)), *args[2:]), kwargs
