@@ -110,24 +110,6 @@ def test_meta_mesh_implicit_redistribution_through_ops():
 
 # Every op case of the fuzz (tests/dtensor/op_cases.py) on a meta mesh, shapes only.
 META_NOT_APPLICABLE = {"unique"}  # data-dependent output shape: no meta kernel on one device
-META_GAPS = {
-    # handlers that communicate themselves (functional collectives need the process groups a
-    # meta mesh does not create: "no attribute '_dim_group_names'")
-    "argmax": "collective in the handler",
-    "argmin": "collective in the handler",
-    "topk_dim0": "collective in the handler",
-    "topk_dim1_smallest": "collective in the handler",
-    "cross_entropy": "collective in the handler",
-    "cross_entropy_sum_ignore": "collective in the handler",
-    "cross_entropy_none": "collective in the handler",
-    "nll_loss": "collective in the handler",
-    # random ops look up the device's generator: torch has no 'torch.meta' module
-    "random_like": "random op",
-    "dropout": "random op",
-    "sdpa_math_causal_dropout": "random op",
-}
-"""Cases some meta-mesh layout still fails, and why (the test fails once one passes: then
-take it off this table)."""
 
 
 def _meta_layouts(case, inputs):
@@ -187,18 +169,16 @@ def _meta_sweep(rank):
 def test_op_cases_on_a_meta_mesh():
     """Every fuzz case on a meta mesh of 4 (fake process group) as rank 3, which holds the
     short and the empty shards of uneven sizes: outputs of the single-device global shapes
-    and dtypes, meta local tensors of this rank's shard shapes, no collective; the cases of
-    META_GAPS fail, no other."""
+    and dtypes, meta local tensors of this rank's shard shapes, no collective;
+    every case passes (handlers that communicate skip their collectives on a meta mesh, random
+    ops draw nothing there)."""
     ran, failed = _meta_sweep(3)
     assert ran >= 300, ran
-    unexpected = {k: v for k, v in failed.items() if k not in META_GAPS}
-    assert not unexpected, unexpected
-    fixed = set(META_GAPS) - set(failed)
-    assert not fixed, f"now pass on a meta mesh, take them off META_GAPS: {sorted(fixed)}"
+    assert not failed, failed
 
 
 if __name__ == "__main__":  # the meta-mesh sweep's table: python -m tests.dtensor.test_crashes
     n, gaps = _meta_sweep(3)
     print(f"meta mesh (4,), rank 3: {n} layouts; cases with a failing layout: {len(gaps)}")
     for name, first in sorted(gaps.items()):
-        print(f"  {name:28s} {META_GAPS.get(name, 'UNEXPECTED')}: {first[:120]}")
+        print(f"  {name:28s} {first[:120]}")

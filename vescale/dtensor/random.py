@@ -413,8 +413,11 @@ def _probabilities(op: torch._ops.OpOverload, p: Any, spec: Any, indices: Indice
 
 def _fill(op: torch._ops.OpOverload, rop: RandomOp, dt: _UpstreamDTensor) -> None:
     """Fill ``dt`` in place with ``rop``'s single-device values; a Partial mesh dim holds them
-    as :func:`replicate_to_partial` lays a replicated value out."""
+    as :func:`replicate_to_partial` lays a replicated value out. On a meta mesh there are no
+    values to draw (shapes only) and no generator advances."""
     spec = dt._spec
+    if spec.mesh.device_type == "meta":
+        return
     local = dt._local_tensor
     values = _fill_values(op, rop, spec, local)
     if values is None:

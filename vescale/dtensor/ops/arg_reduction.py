@@ -106,9 +106,12 @@ def _reduce(
 
 
 def _gatherable(x: Any) -> bool:
-    """A non-scalar DTensor of contiguous shards, none Partial: candidates can be gathered."""
+    """A non-scalar DTensor of contiguous shards, none Partial, on a mesh with process groups:
+    candidates can be gathered (a meta mesh has none; upstream's propagation, planned by
+    vescale without communication there, gives the same shapes)."""
     return (
         isinstance(x, _UpstreamDTensor)
+        and x.device_mesh.device_type != "meta"
         and x.ndim > 0
         and not any(p.is_partial() for p in x.placements)
         and contiguous_shards(x.placements)

@@ -115,6 +115,9 @@ def _shard_only(t: object) -> bool:
 
 
 def _all_reduce(t: torch.Tensor, op: str, mesh: Any, mesh_dims: list[int]) -> torch.Tensor:
+    """``t`` all-reduced over ``mesh_dims`` in turn; unchanged on a meta mesh (shapes only)."""
+    if mesh.device_type == "meta":
+        return t
     for mesh_dim in mesh_dims:
         t = wait_local(funcol.all_reduce(t, op, (mesh, mesh_dim)))
     return t
