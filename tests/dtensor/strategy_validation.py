@@ -164,6 +164,13 @@ VALIDATION_CASES: Sequence[OpCase] = (
         partial=(0,),
     ),
     OpCase(
+        "layer_norm",  # vescale's layout rule for native_layer_norm_backward
+        lambda x, w: F.layer_norm(x, x.shape[-1:], w) * 1.5,
+        lambda r, c, g: (_f(g, r, c), _f(g, c)),
+        grad=(0, 1),
+        partial=(0,),
+    ),
+    OpCase(
         "elementwise_losses",
         lambda x, y, p: (
             F.mse_loss(x, y),
