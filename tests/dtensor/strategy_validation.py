@@ -239,10 +239,6 @@ KNOWN_WRONG: dict[str, str] = {
     "Replicate, e.g. (Shard(1),), (Replicate(),) on 4 ranks) can be reduced once: a second "
     "full_tensor() raises a bare AssertionError (its mask buffer was released by the first; "
     "upstream's own DTensors do the same) (issue 18, --full sweep)",
-    "scatter_add_inplace": "x.clone().scatter_add_(0, i, s), e.g. x (Replicate(), Replicate()), "
-    "i and s (Replicate(), Shard(0)) on 2x2: the result's placements (Shard(1), Shard(1)) do not "
-    "match its local tensor (8, 12) (448 of 526 2x2 layouts; hidden until this case was split "
-    "from scatter_(reduce=), which upstream refuses on every layout) (issue 18)",
 }
 """Cases whose wrong answers the validation found and are not fixed yet, with the layout."""
 

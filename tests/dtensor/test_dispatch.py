@@ -280,3 +280,28 @@ def test_in_place_fallback_is_where_the_in_place_strategy_refuses(self_placement
         assert torch.equal(out.full_tensor(), expected)
     if counts is not None:
         assert dict(counted) == counts
+
+
+def test_in_place_fallback_where_upstream_lays_the_result_out_elsewhere():
+    """``scatter_add_`` of column-sharded index and src into a replicated ``self``: upstream
+    propagates it through its decomposition to ``Shard(1)`` while the kernel writes ``self``'s
+    whole local tensor (its own DTensors then claim ``Shard(1)`` for a full (8, 12) tensor).
+    vescale runs it out of place and keeps ``self`` replicated, equal to one device."""
+    x = torch.randn(8, 12, dtype=torch.float64)
+    index = torch.randint(0, 8, (8, 12))
+    src = torch.randn(8, 12, dtype=torch.float64)
+    expected = x.clone().scatter_add_(0, index, src)
+    op = aten.scatter_add_.default
+    with local_world(4), explicit_redistribute(False):
+        mesh = vescale.init_device_mesh("cpu", (4,))
+        args = (
+            vescale.distribute_tensor(x, mesh, [Replicate()]),
+            0,
+            vescale.distribute_tensor(index, mesh, [Shard(1)]),
+            vescale.distribute_tensor(src, mesh, [Shard(1)]),
+        )
+        assert indexing.moves_self(op, args, {})
+        out = args[0].scatter_add_(*args[1:])
+        assert out is args[0] and tuple(out.placements) == (Replicate(),)
+        assert tuple(out._local_tensor.shape) == (8, 12)
+        assert torch.equal(out.full_tensor(), expected)

@@ -112,16 +112,18 @@ def replicate_plain_tensors(
 
 
 def moves_self(op: torch._ops.OpOverload, args: Any, kwargs: Any) -> bool:
-    """Whether ``op`` must run out of place: sharding propagation finds no layout for it (its
-    strategies must keep ``self``'s placements) and lays out its out-of-place twin other than
-    ``self``. Anything else (``op`` propagates, has no strategy at all, or its twin fails too)
-    leaves ``op`` to run, and report, as it is."""
+    """Whether ``op`` must run out of place: sharding propagation lays its result out other
+    than ``self``, or finds no layout for it (its strategies must keep ``self``'s placements)
+    and lays out its out-of-place twin other than ``self``. Anything else (``op`` keeps
+    ``self``'s layout, has no strategy at all, or its twin fails too) leaves ``op`` to run, and
+    report, as it is."""
     self = bind(op, args, kwargs)["self"]
     if not isinstance(self, _UpstreamDTensor):
         return False
     try:
-        output_spec(op, args, kwargs)
-        return False
+        # upstream propagates some in-place ops through their decomposition, laying the result
+        # out other than ``self`` while the kernel writes ``self``'s local tensor
+        return tuple(output_spec(op, args, kwargs).placements) != tuple(self.placements)
     except UnsupportedOpError:
         return False
     except RuntimeError:
