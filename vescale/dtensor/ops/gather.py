@@ -10,6 +10,11 @@ layouts too. For vescale DTensors those strategies are dropped, so the strategy 
 a correct one (the others replicate the gather dim or shard a non-gather dim): a masked
 strategy stays only where its one masked mesh dim is the only mesh dim on which the output
 or any input, as it is now, is not ``Replicate``.
+
+A ``_MaskPartial`` output (gather; embedding's row-wise path) holds unmasked values and a mask that its first reduction releases,
+so upstream's DTensors fail on a second one (``full_tensor()`` twice). vescale masks the
+local values at once (no communication) and lays the output out ``Partial``: the same sum,
+reducible any number of times.
 """
 
 from __future__ import annotations
@@ -18,12 +23,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale._torch_compat import OpSchema, OpStrategy
+from vescale._torch_compat import DTensorSpec, MaskPartial, OpSchema, OpStrategy
+from vescale.dtensor.dtensor import new_dtensor
+from vescale.dtensor.hooks import post_dispatch_patch
 from vescale.dtensor.ops._registry import wrap_upstream_strategy
-from vescale.dtensor.placement_types import is_private_partial
+from vescale.dtensor.placement_types import Partial, is_private_partial
 
-__all__ = ["MASKED_OPS"]
+__all__ = ["MASKED_OPS", "settle_mask"]
 
 aten = torch.ops.aten
 MASKED_OPS = [aten.gather.default]
@@ -57,3 +65,23 @@ def _correct_only(upstream: Callable[[OpSchema], Any]) -> Callable[[OpSchema], A
 
 for _op in MASKED_OPS:
     wrap_upstream_strategy(_op, _correct_only, "unmasked")
+
+
+def _holds_mask(op: torch._ops.OpOverload, out: Any) -> bool:
+    return isinstance(out, _UpstreamDTensor) and any(
+        isinstance(p, MaskPartial) and p.mask_buffer.data is not None for p in out.placements
+    )
+
+
+@post_dispatch_patch([*MASKED_OPS, aten.embedding.default], when=_holds_mask)
+def settle_mask(op: torch._ops.OpOverload, out: _UpstreamDTensor) -> _UpstreamDTensor:
+    """``out``'s ``_MaskPartial`` mesh dims become ``Partial`` of the masked local values."""
+    local, placements = out._local_tensor, list(out.placements)
+    for i, p in enumerate(placements):
+        if isinstance(p, MaskPartial) and p.mask_buffer.data is not None:
+            mask = p.mask_buffer.data  # the index's shape: embedding rows add a trailing dim
+            local = local.masked_fill(mask.view(*mask.shape, *[1] * (local.ndim - mask.ndim)), 0)
+            p.mask_buffer.release_mask()
+            placements[i] = Partial(p.reduce_op)
+    spec = DTensorSpec(out.device_mesh, tuple(placements), tensor_meta=out._spec.tensor_meta)
+    return new_dtensor(local, spec, requires_grad=False)
