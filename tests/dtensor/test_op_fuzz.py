@@ -335,17 +335,24 @@ def test_check_layout_fails_a_wrong_shard_on_one_rank(pool2):
 
 
 if __name__ == "__main__":  # the case count per op: python -m tests.dtensor.test_op_fuzz
-    total, full = 0, 0
+    from tests.dtensor.op_cases import EVEN, UNEVEN
+    from tests.dtensor.test_crashes import META_NOT_APPLICABLE, _meta_layouts
+
+    total, full, meta = 0, 0, 0
     for c in (*CASES, *EXTRA_CASES):
         counts = [layout_count(c.name, [m]) for m in ((2,), (4,), (2, 2))]
         full_2d = layout_count(c.name, [(2, 2)], full=True)
-        total, full = total + sum(counts), full + full_2d
+        on_meta = sum(
+            len(_meta_layouts(c, c.make(*size, torch.Generator().manual_seed(0))))
+            for size in (EVEN, UNEVEN)
+            if c.name not in META_NOT_APPLICABLE
+        )
+        total, full, meta = total + sum(counts), full + full_2d, meta + on_meta
         print(
             f"{c.name:26s} 1-D x2 {counts[0]:4d}  1-D x4 {counts[1]:4d}  2x2 {counts[2]:4d}"
-            f"  (--full: {full_2d:4d})"
+            f"  meta x4 {on_meta:3d}  (--full: {full_2d:4d})"
         )
-    print(f"{'total':26s} {total}  (--full adds {full})")
-
+    print(f"{'total':26s} {total}  meta mesh {meta} (test_crashes)  (--full adds {full})")
 
 # (case, input, dim): that input InterleavedShard(dim, 2) on 2 ranks, the others replicated
 INTERLEAVED = [
