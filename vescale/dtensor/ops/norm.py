@@ -33,6 +33,7 @@ from vescale._torch_compat import OpSchema
 from vescale.dtensor.explicit import redistribute_for
 from vescale.dtensor.hooks import bypass_dispatch, pre_dispatch_patch, python_dispatch
 from vescale.dtensor.layout import empty_shard_dims
+from vescale.dtensor.op_args import bind, unbind
 from vescale.dtensor.ops._registry import wrap_upstream_strategy
 from vescale.dtensor.placement_types import Replicate
 
@@ -79,23 +80,23 @@ def _without_empty_shards(op: torch._ops.OpOverload, x: Any, dims: set[int]) -> 
     return redistribute_for(op, x, placements)
 
 
-@bypass_dispatch([*INF_NORMS, *EXTREMA])
+def _infinite(op: torch._ops.OpOverload, args: Any, kwargs: Any) -> bool:
+    """``amax`` / ``amin``, or a norm of infinite order."""
+    return op in EXTREMA or math.isinf(float(bind(op, args, kwargs)["ord"]))
+
+
+@bypass_dispatch([*INF_NORMS, *EXTREMA], when=_infinite)
 def inf_norm_without_empty_shards(
     op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """An infinity norm, ``amax`` or ``amin`` reducing no empty shard (see module docstring)."""
-    if op in EXTREMA:
-        dims = _reduced(args[0], args[1] if len(args) > 1 else kwargs.get("dim"))
-        return python_dispatch(op, (_without_empty_shards(op, args[0], dims), *args[1:]), kwargs)
-    order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
-    if not math.isinf(float(order)):
-        return python_dispatch(op, args, kwargs)
+    a = bind(op, args, kwargs)
+    x = a["self"]
     if op is aten._foreach_norm.Scalar:
-        first: Any = [_without_empty_shards(op, t, set(range(t.ndim))) for t in args[0]]
+        a["self"] = [_without_empty_shards(op, t, set(range(t.ndim))) for t in x]
     else:
-        dim = args[2] if len(args) > 2 else kwargs.get("dim")
-        first = _without_empty_shards(op, args[0], _reduced(args[0], dim))
-    return python_dispatch(op, (first, *args[1:]), kwargs)
+        a["self"] = _without_empty_shards(op, x, _reduced(x, a["dim"]))
+    return python_dispatch(op, *unbind(op, a))
 
 
 def _all_dims(upstream: Callable[[OpSchema], Any]) -> Callable[[OpSchema], Any]:
@@ -117,8 +118,8 @@ for _op in ALL_DIMS_OPS:
 
 
 def _empty_dims(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    return isinstance(dim, (list, tuple)) and not dim and args[0].ndim > 0
+    a = bind(op, args, kwargs)
+    return isinstance(a["dim"], (list, tuple)) and not a["dim"] and a["self"].ndim > 0
 
 
 @pre_dispatch_patch(aten.nansum.default, when=_empty_dims)
@@ -126,5 +127,6 @@ def nansum_all_dims(
     op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``nansum(x, [])`` as ``nansum(x, every dim)`` (see module docstring)."""
-    kwargs = {k: v for k, v in kwargs.items() if k != "dim"}
-    return (args[0], list(range(args[0].ndim)), *args[2:]), kwargs
+    a = bind(op, args, kwargs)
+    a["dim"] = list(range(a["self"].ndim))
+    return unbind(op, a)
