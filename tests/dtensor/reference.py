@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import vescale
-from vescale import Partial, Placement, Replicate, Shard
+from vescale import DTensor, Partial, Placement, Replicate, Shard
 
 
 @functools.cache
@@ -49,6 +49,30 @@ def expected_local(
             elif p.reduce_op == "product":
                 t = torch.ones_like(t)
     return t
+
+
+def local_dtensor(
+    full: torch.Tensor, mesh_shape: tuple[int, ...], placements: Sequence[Placement]
+) -> DTensor:
+    """The DTensor ``distribute_tensor(full, mesh_of(mesh_shape), placements)`` returns,
+    built without communication: this rank's :func:`expected_local` shard (a copy), the
+    global shape and stride given."""
+    local = expected_local(full, mesh_shape, coord_of(mesh_shape), placements).clone()
+    mesh = mesh_of(mesh_shape)
+    return vescale.from_local(
+        local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
+    )
+
+
+def equals_full(out: DTensor, full: torch.Tensor) -> bool:
+    """Whether ``out`` is exactly ``full``: its shape and this rank's shard against
+    :func:`expected_local` (no communication) for Shard/Replicate layouts, ``full_tensor()``
+    otherwise. Every rank must call it (the fallback communicates)."""
+    mesh_shape = tuple(out.device_mesh.shape)
+    if any(type(p) not in (Shard, Replicate) for p in out.placements):
+        return torch.equal(out.full_tensor(), full)
+    want = expected_local(full, mesh_shape, out.device_mesh.get_coordinate(), out.placements)
+    return out.shape == full.shape and torch.equal(out.to_local(async_output=False), want)
 
 
 def partial_source(
