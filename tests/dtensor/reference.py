@@ -64,15 +64,23 @@ def local_dtensor(
     )
 
 
-def equals_full(out: DTensor, full: torch.Tensor) -> bool:
-    """Whether ``out`` is exactly ``full``: its shape and this rank's shard against
-    :func:`expected_local` (no communication) for Shard/Replicate layouts, ``full_tensor()``
-    otherwise. Every rank must call it (the fallback communicates)."""
-    mesh_shape = tuple(out.device_mesh.shape)
+def compared(out: DTensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(got, want)`` to compare for ``out == full``: this rank's shard and its
+    :func:`expected_local` (no communication) for Shard/Replicate layouts, else
+    ``out.full_tensor()`` and ``full``. Every rank must call it (the fallback communicates);
+    raises if the global shapes differ."""
+    if out.shape != full.shape:
+        raise AssertionError(f"global shape {tuple(out.shape)}, expected {tuple(full.shape)}")
     if any(type(p) not in (Shard, Replicate) for p in out.placements):
-        return torch.equal(out.full_tensor(), full)
-    want = expected_local(full, mesh_shape, out.device_mesh.get_coordinate(), out.placements)
-    return out.shape == full.shape and torch.equal(out.to_local(async_output=False), want)
+        return out.full_tensor(), full
+    mesh = out.device_mesh
+    want = expected_local(full, tuple(mesh.shape), mesh.get_coordinate(), out.placements)
+    return out.to_local(async_output=False), want
+
+
+def equals_full(out: DTensor, full: torch.Tensor) -> bool:
+    """Whether ``out`` is exactly ``full`` (compared as :func:`compared` says)."""
+    return out.shape == full.shape and torch.equal(*compared(out, full))
 
 
 def partial_source(

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import vescale
-from tests.dtensor.reference import mesh_of
+from tests.dtensor.reference import compared, equals_full, local_dtensor
 from tests.harness.collectives import count_collectives
 from vescale import Replicate, Shard
 
@@ -25,12 +25,12 @@ def _check(shape):
     for (mesh_shape, placements), op, dim, keepdim in itertools.product(
         LAYOUTS, ("argmax", "argmin"), (0, 1, -1), (False, True)
     ):
-        d = vescale.distribute_tensor(x, mesh_of(mesh_shape), placements)
+        d = local_dtensor(x, mesh_shape, placements)
         with count_collectives() as counts:
             out = getattr(d, op)(dim, keepdim=keepdim)
         expected = getattr(x, op)(dim, keepdim=keepdim)
         case = (mesh_shape, placements, op, dim, keepdim)
-        assert torch.equal(out.full_tensor(), expected), case
+        assert equals_full(out, expected), case
         sharded = sum(p.is_shard(dim % 2) for p in placements)
         assert sum(counts.values()) == 2 * sharded, (case, counts)  # values + indices per mesh dim
 
@@ -44,22 +44,22 @@ def _check_topk(shape, k):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(*shape, generator=g, dtype=torch.float64)  # no ties
     for (mesh_shape, placements), dim, largest in itertools.product(LAYOUTS, (0, 1), (True, False)):
-        d = vescale.distribute_tensor(x, mesh_of(mesh_shape), placements).requires_grad_(True)
+        d = local_dtensor(x, mesh_shape, placements).requires_grad_(True)
         with count_collectives() as counts:
             values, indices = d.topk(k, dim, largest=largest)
         ref = x.clone().requires_grad_(True)
         ref_values, ref_indices = ref.topk(k, dim, largest=largest)
         case = (mesh_shape, placements, dim, largest)
-        assert torch.equal(values.full_tensor(), ref_values.detach()), case
-        assert torch.equal(indices.full_tensor(), ref_indices), case
+        assert equals_full(values, ref_values.detach()), case
+        assert equals_full(indices, ref_indices), case
         sharded = sum(p.is_shard(dim) for p in placements)
         assert sum(counts.values()) == 2 * sharded, (case, counts)  # k candidates, not the dim
         weights = torch.arange(1.0, ref_values.numel() + 1, dtype=torch.float64).view_as(ref_values)
         (ref_values * weights).sum().backward()
-        dw = vescale.distribute_tensor(weights, d.device_mesh, values.placements)
+        dw = local_dtensor(weights, mesh_shape, values.placements)
         with vescale.dtensor.explicit_redistribute(False):
             (values * dw).sum().backward()
-        torch.testing.assert_close(d.grad.full_tensor(), ref.grad)
+        torch.testing.assert_close(*compared(d.grad, ref.grad))
 
 
 @pytest.mark.parametrize("shape", [(8, 12), (5, 7), (3, 2)])
