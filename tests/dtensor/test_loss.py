@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.debug import CommDebugMode
 
 import vescale
-from tests.dtensor.reference import mesh_of
+from tests.dtensor.reference import compared, local_dtensor
 from tests.harness.collectives import count_collectives
 from vescale import Partial, Replicate, Shard
 
@@ -38,16 +38,15 @@ def _check_loss(name, shape):
     ref = fn(ref_x, t)
     ref.backward()
     for mesh_shape, placements in LAYOUTS:
-        mesh = mesh_of(mesh_shape)
-        dx = vescale.distribute_tensor(x, mesh, placements).requires_grad_(True)
-        dt = vescale.distribute_tensor(t, mesh, placements)
+        dx = local_dtensor(x, mesh_shape, placements).requires_grad_(True)
+        dt = local_dtensor(t, mesh_shape, placements)
         with CommDebugMode() as comm:
             loss = fn(dx, dt)
             loss.backward()
         assert comm.get_total_counts() == 0, (name, placements, comm.get_comm_counts())
         assert tuple(dx.grad.placements) == tuple(dx.placements)
-        torch.testing.assert_close(loss.full_tensor(), ref.detach(), rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(dx.grad.full_tensor(), ref_x.grad, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(*compared(loss, ref.detach()), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(*compared(dx.grad, ref_x.grad), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
@@ -70,20 +69,19 @@ def _check_mixed_layouts(shape):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(*shape, generator=g, dtype=torch.float64)
     t = torch.randn(*shape, generator=g, dtype=torch.float64)
-    mesh = mesh_of((4,))
     for name, fn in LOSSES.items():
         ref_x = x.clone().requires_grad_(True)
         ref = fn(ref_x, t)
         ref.backward()
         for x_pl, t_pl, communicates in MIXED:
-            dx = vescale.distribute_tensor(x, mesh, x_pl).requires_grad_(True)
-            dt = vescale.distribute_tensor(t, mesh, t_pl)
+            dx = local_dtensor(x, (4,), x_pl).requires_grad_(True)
+            dt = local_dtensor(t, (4,), t_pl)
             with vescale.dtensor.explicit_redistribute(False), count_collectives() as counts:
                 loss = fn(dx, dt)
             assert (sum(counts.values()) > 0) is communicates, (name, x_pl, t_pl)
             loss.backward()
-            torch.testing.assert_close(loss.full_tensor(), ref.detach(), rtol=1e-12, atol=1e-12)
-            torch.testing.assert_close(dx.grad.full_tensor(), ref_x.grad, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(*compared(loss, ref.detach()), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(*compared(dx.grad, ref_x.grad), rtol=1e-12, atol=1e-12)
 
 
 def test_losses_on_inputs_of_different_layouts(pool4):
