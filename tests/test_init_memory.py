@@ -1,11 +1,13 @@
 """Peak memory of sharded materialization: a 128 MiB model sharded over 8 ranks costs a rank
 about its 16 MiB shard, where eager construction (or materializing in full) costs 128 MiB.
 
-Each measurement runs in a fresh process as rank 0 of a ``fake`` process group of 8 ranks:
-the peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs`` after imports and
-a warm-up) minus the resident set before building the model. Measured on the 2-core CPU
-machine (torch 2.13, glibc mmap threshold fixed): deferred + sharded 19.1-19.3 MiB (the shard
-and the generator's scratch pieces), eager 128 MiB, deferred + full 131 MiB.
+The three measurements run one after another in one fresh process (one interpreter start for
+the three) as rank 0 of a ``fake`` process group of 8 ranks: each is the peak resident set
+(``VmHWM``, reset through ``/proc/self/clear_refs`` after the previous model is freed) minus
+the resident set just before building the model. With glibc's mmap threshold fixed, a freed
+model goes back to the OS, so each measurement starts from the same state as a fresh process
+would. Measured on the 2-core CPU machine (torch 2.13): deferred + sharded 19.1-19.3 MiB (the
+shard and the generator's scratch pieces), eager 128 MiB, deferred + full 129-131 MiB.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ MiB = 1 << 20
 LAYERS, ROWS, COLS, WORLD = 16, 2048, 1024, 8  # 16 x 8 MiB float32 weights
 FULL = LAYERS * ROWS * COLS * 4
 SHARD = FULL // WORLD
+MODES = ("sharded", "eager", "full")
 
 SCRIPT = f"""
-import json, sys
+import gc, json
 import torch
 from torch import nn
 import vescale
@@ -34,14 +37,12 @@ def status(key):
 def build():
     return nn.Sequential(*(nn.Linear({COLS}, {ROWS}, bias=False) for _ in range({LAYERS})))
 
-mode = sys.argv[1]
-with fake_world({WORLD}):
-    mesh = vescale.init_device_mesh("cpu", ({WORLD},))
-    plan = {{"*": (mesh, [vescale.Shard(0)])}}
-    vescale.materialize_module(vescale.deferred_init(nn.Linear, 64, 64), plan)  # warm-up
+def measure(mode, plan):
+    gc.collect()
     open("/proc/self/clear_refs", "w").write("5")  # reset the peak to the current size
     before = status("VmRSS")
     torch.manual_seed(0)
+    deferred = None
     if mode == "eager":
         model = build()
     else:
@@ -51,15 +52,20 @@ with fake_world({WORLD}):
     peak = status("VmHWM") - before
     local = sum(p.to_local().numel() if isinstance(p, vescale.DTensor) else p.numel()
                 for p in model.parameters()) * 4
-    print(json.dumps({{"peak": peak, "local": local,
-                      "deferred": deferred if mode != "eager" else None}}))
+    return {{"peak": peak, "local": local, "deferred": deferred}}
+
+with fake_world({WORLD}):
+    mesh = vescale.init_device_mesh("cpu", ({WORLD},))
+    plan = {{"*": (mesh, [vescale.Shard(0)])}}
+    vescale.materialize_module(vescale.deferred_init(nn.Linear, 64, 64), plan)  # warm-up
+    print(json.dumps({{mode: measure(mode, plan) for mode in {MODES!r}}}))
 """
 
 
-def _measure(mode: str) -> dict[str, int]:
+def _measure() -> dict[str, dict[str, int]]:
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, mode],
+        [sys.executable, "-c", SCRIPT],
         cwd=root,
         capture_output=True,
         text=True,
@@ -74,9 +80,9 @@ def _measure(mode: str) -> dict[str, int]:
 
 
 def test_sharded_materialization_peak_is_of_the_order_of_the_shard():
-    sharded, eager, full = _measure("sharded"), _measure("eager"), _measure("full")
-    numbers = {k: {n: v / MiB for n, v in r.items() if v is not None} for k, r in
-               (("sharded", sharded), ("eager", eager), ("full", full))}  # fmt: skip
+    measured = _measure()
+    sharded, eager, full = (measured[m] for m in MODES)
+    numbers = {k: {n: v / MiB for n, v in r.items() if v is not None} for k, r in measured.items()}
     print(numbers)
     assert sharded["local"] == SHARD and full["local"] == FULL
     # deferred construction allocates nothing of the model
