@@ -105,3 +105,23 @@ def partial_source(
     piece = pieces[tuple(coord[i] for i in partial_dims)]
     shard_only = [p if isinstance(p, Shard) else Replicate() for p in placements]
     return full, expected_local(piece, mesh_shape, coord, shard_only)
+
+
+def layout_pairs(
+    choices: Sequence[Placement], ndim: int, *, full: bool
+) -> list[tuple[tuple[Placement, ...], tuple[Placement, ...]]]:
+    """(src, dst) layout pairs over ``choices`` on an ``ndim``-D mesh: the full product, or,
+    on a 2-D mesh with ``full=False``, a strength-3 covering array of the four factors
+    (src[0], src[1], dst[0], dst[1]): every combination of choices of any three of them
+    occurs exactly once (n**3 pairs; dst[1] is choice (a + b + c) mod n). So each mesh
+    dim's transition meets every placement of the other mesh dim, as source and as
+    destination."""
+    if full or ndim != 2:
+        layouts = list(itertools.product(choices, repeat=ndim))
+        return list(itertools.product(layouts, layouts))
+    n = len(choices)
+    return [
+        ((choices[a], choices[b]), (choices[c], choices[(a + b + c) % n]))
+        for a, b, c in itertools.product(range(n), repeat=3)
+    ]
+

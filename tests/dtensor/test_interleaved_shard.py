@@ -1,11 +1,11 @@
 """InterleavedShard: placement semantics, exact local layouts of distribute_tensor/from_local,
-size errors, every redistribution pair on 1-D and 2-D meshes (forward and backward) against an
-independent reference, and the strategies a merged-QKV attention block needs."""
+size errors, redistribution pairs (forward and backward; every pair on 1-D meshes, a strength-3
+covering on 2x2, every pair with --full) against an independent reference, and the strategies a
+merged-QKV attention block needs."""
 
 from __future__ import annotations
 
 import copy
-import itertools
 import pickle
 
 import pytest
@@ -15,7 +15,7 @@ import torch.distributed as dist
 import vescale
 import vescale.dtensor
 import vescale.dtensor.placement_types as placement_types
-from tests.dtensor.reference import coord_of, expected_local, mesh_of
+from tests.dtensor.reference import coord_of, expected_local, layout_pairs, mesh_of
 from vescale import InterleavedShard, Partial, Replicate, Shard
 
 
@@ -37,6 +37,20 @@ def expected(full: torch.Tensor, mesh_shape, coord, placements) -> torch.Tensor:
         else:
             t = expected_local(t, (n,), (c,), (p,))
     return t
+
+
+def built(full: torch.Tensor, mesh_shape, placements) -> vescale.DTensor:
+    """What ``distribute_tensor(full, ...)`` returns, built from :func:`expected` shards
+    without communication."""
+    local = expected(full, mesh_shape, coord_of(mesh_shape), placements).clone()
+    return vescale.from_local(
+        local,
+        mesh_of(mesh_shape),
+        placements,
+        run_check=False,
+        shape=full.shape,
+        stride=full.stride(),
+    )
 
 
 # ----------------------------------------------------------------------------- placement
@@ -151,17 +165,13 @@ CANDIDATES = [Replicate(), Shard(0), Shard(1), Partial(), InterleavedShard(0, 3)
 SHAPE = (24, 3)  # Shard(1) uneven on every mesh
 
 
-def _check_redistribute_pairs(mesh_shape, candidates):
+def _check_redistribute_pairs(mesh_shape, pairs):
     mesh = mesh_of(mesh_shape)
     coord = coord_of(mesh_shape)
     x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     weights = torch.arange(1.0, x.numel() + 1, dtype=torch.float64).view(SHAPE)
-    layouts = list(itertools.product(candidates, repeat=len(mesh_shape)))
-    count = 0
-    for src, dst in itertools.product(layouts, repeat=2):
-        if not any(isinstance(p, InterleavedShard) for p in (*src, *dst)):
-            continue  # covered by test_conversions
-        d = vescale.distribute_tensor(x, mesh, src).requires_grad_(True)
+    for src, dst in pairs:
+        d = built(x, mesh_shape, src).requires_grad_(True)
         with vescale.dtensor.explicit_redistribute(False):
             out = d.redistribute(mesh, dst)
         case = (mesh_shape, src, dst)
@@ -171,21 +181,37 @@ def _check_redistribute_pairs(mesh_shape, candidates):
         )
         (out.full_tensor() * weights).sum().backward()
         grad_layout = tuple(Replicate() if p.is_partial() else p for p in src)
-        assert d.grad.placements == grad_layout, case
-        assert torch.equal(d.grad.full_tensor(), weights), case
-        count += 1
-    return count
+        assert d.grad.placements == grad_layout and d.grad.shape == weights.shape, case
+        want = expected(weights, mesh_shape, coord, grad_layout)
+        assert torch.equal(d.grad.to_local(async_output=False), want), case
+    return len(pairs)
+
+
+def _redistribute_pairs(world, mesh_shape, request, full):
+    pool = request.getfixturevalue(f"pool{world}")
+    candidates = CANDIDATES + ([InterleavedShard(0, 2)] if len(mesh_shape) == 1 else [])
+    pairs = [
+        (src, dst)
+        for src, dst in layout_pairs(candidates, len(mesh_shape), full=full)
+        if any(isinstance(p, InterleavedShard) for p in (*src, *dst))  # else test_conversions
+    ]
+    assert pool.run(_check_redistribute_pairs, mesh_shape, pairs)[0] == len(pairs)
 
 
 @pytest.mark.parametrize(
     "world,mesh_shape", [(2, (2,)), (4, (4,)), (4, (2, 2))], ids=["1d-2", "1d-4", "2d-2x2"]
 )
 def test_redistribute_every_pair(world, mesh_shape, request):
-    pool = request.getfixturevalue(f"pool{world}")
-    candidates = CANDIDATES + ([InterleavedShard(0, 2)] if len(mesh_shape) == 1 else [])
-    n = pool.run(_check_redistribute_pairs, mesh_shape, candidates)[0]
-    plain = len(candidates) - sum(isinstance(p, InterleavedShard) for p in candidates)
-    assert n == len(candidates) ** (2 * len(mesh_shape)) - plain ** (2 * len(mesh_shape))
+    """Every pair on 1-D meshes; on 2x2 the strength-3 covering of reference.layout_pairs
+    (each mesh dim's transition with every placement of the other mesh dim as source and as
+    destination: 74 pairs with an InterleavedShard); the full product runs with --full."""
+    _redistribute_pairs(world, mesh_shape, request, full=False)
+
+
+@pytest.mark.full
+def test_redistribute_every_pair_2x2_full_product(request):
+    """All 369 pairs on 2x2 with an InterleavedShard (nightly-style)."""
+    _redistribute_pairs(4, (2, 2), request, full=True)
 
 
 # ----------------------------------------------------------------------------- strategies
