@@ -18,14 +18,19 @@ forward, backward and an SGD step:
   compiled with ``backend="inductor"`` as torchtitan does, each dp rank feeding its batch shard;
 * ``compute only``: ``vescale, passes on`` with every collective replaced by a local op of the
   same output shape (an all-reduce by its input, others by zeros) and waits dropped: the step
-  with free communication, a lower bound.
+  with free communication, a lower bound;
+* ``vescale plan path``: the plain model, ``vescale.parallelize`` with every parameter in the
+  placements ``gpt.parallelize`` gives it and the batch ``Shard(0)`` over dp; the global solver
+  places every activation with costs from ``calibrate(mesh)`` on this mesh (so it may choose
+  another program than Megatron's for the same parameters); compiled by the vescale backend.
+  Its first-step loss must equal ``eager vescale``'s; the solver's summary is printed.
 
 Every mode is built and warmed up (three steps) first; then ``--steps`` rounds time one step
 of every mode in turn, so all medians (rank 0) come from the same stretch of a shared
 machine's drifting load. Compile time is the first step minus that median. Collectives and bytes per step are counted with the
 profiler (every ``_c10d_functional`` collective, wherever it is issued, Inductor's in-place
 variants included; bytes of this rank's inputs). Last, ``vescale / best upstream`` (the
-fastest upstream mode) and ``vescale / compute only``.
+fastest upstream mode), ``vescale plan path / best upstream`` and ``vescale / compute only``.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ import torch.nn.functional as F
 from torch._inductor.compile_fx import compile_fx
 from torch.distributed.device_mesh import init_device_mesh as upstream_init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -62,9 +67,11 @@ from vescale.backend import PASSES_OFF
 from vescale.backend import vescale_backend as vescale_backend_fn
 from vescale.ddp import DistributedDataParallel
 from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR
+from vescale.plan import calibrate
 
 CFG = gpt.GPTConfig(vocab=128, seq=32, dim=64, heads=4, layers=4)
 CFG_BATCH = 8  # gpt.batch's global batch size
+PLAN_ROW = "vescale plan path (parallelize, global solver)"
 _NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")
 
 
@@ -108,6 +115,26 @@ def _vescale_step(mesh: vescale.DeviceMesh, backend: str | None, options: dict |
     elif backend == "inductor":
         model = torch.compile(model, backend=functools.partial(compile_fx))
     return model, opt, [gpt.shard_batch(mesh, *gpt.batch(CFG, i)) for i in range(4)]
+
+
+_plan_summary: list[str] = []
+
+
+def _plan_step(mesh: vescale.DeviceMesh) -> Step:
+    """The plain model through ``vescale.parallelize`` (see module docstring)."""
+    plan = {**gpt.PLAN, "*": (Replicate(), Replicate())}  # every parameter as gpt.parallelize
+    batch = {"dp": Shard(0)}
+    model = vescale.parallelize(
+        gpt.build(CFG),
+        mesh,
+        plan,
+        inputs=[batch, batch],
+        example_inputs=gpt.batch(CFG, 0),
+        alpha_beta=calibrate(mesh),
+    )
+    _plan_summary.append(model.explain().summary())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, opt, [gpt.batch(CFG, i) for i in range(4)]
 
 
 def _local_attention(self: gpt.Attention, x: torch.Tensor) -> torch.Tensor:
@@ -185,8 +212,9 @@ def _compute_only() -> Iterator[None]:
 
 @dataclass
 class _Mode:
-    step: Callable[[int], None]
+    step: Callable[[int], Any]
     first_s: float  # the first step: compile + one step
+    loss: float | None  # the first step's global loss (None: a per-rank loss)
     collectives: int
     nbytes: int
     times: list[float] = field(default_factory=list)
@@ -199,19 +227,21 @@ def _prepare(
     with scope or contextlib.nullcontext():
         model, opt, batches = build()
 
-        def step(i: int = 0) -> None:
+        def step(i: int = 0) -> Any:
             loss = model(*batches[i % len(batches)])
             opt.zero_grad()
             loss.backward()
             opt.step()
+            return loss
 
         dist.barrier()
         t0 = time.perf_counter()
-        step(0)
+        loss = step(0)
         first = time.perf_counter() - t0
+        value = loss.full_tensor().item() if hasattr(loss, "full_tensor") else None
         step(1)
         step(2)
-        return _Mode(step, first, *_count(step))
+        return _Mode(step, first, value, *_count(step))
 
 
 def _time_interleaved(modes: dict[str, _Mode], steps: int) -> None:
@@ -274,34 +304,52 @@ def main() -> None:
     if "torchtitan 2-D" not in args.skip:
         modes["torchtitan 2-D"] = _prepare(_titan_step)
     modes["compute only"] = _prepare(lambda: _vescale_step(mesh, "vescale", {}), _compute_only())
+    if PLAN_ROW not in args.skip:
+        modes[PLAN_ROW] = _prepare(lambda: _plan_step(mesh))
+        ref = next(m.loss for m in modes.values() if m.loss is not None)
+        if abs(modes[PLAN_ROW].loss - ref) > 1e-4 * max(abs(ref), 1.0):  # type: ignore[operator]
+            raise AssertionError(f"plan path loss {modes[PLAN_ROW].loss} != {ref}")
     _time_interleaved(modes, args.steps)
     if dist.get_rank() == 0:
         rows = {}
         for name, m in modes.items():
             median = statistics.median(m.times)
-            rows[name] = (median, m.first_s - median, m.collectives, m.nbytes)
+            rows[name] = (median, m.first_s - median, m.collectives, m.nbytes, m.loss)
         _print(rows, mesh)
+        for text in _plan_summary:
+            print(f"plan path solver (rank 0):\n{text}")
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _print(rows: dict[str, tuple[float, float, int, int]], mesh: vescale.DeviceMesh) -> None:
+Row = tuple[float, float, int, int, float | None]
+
+
+def _print(rows: dict[str, Row], mesh: vescale.DeviceMesh) -> None:
     base = rows.get("eager vescale", next(iter(rows.values())))[0]
     print(f"GPT {CFG}, (dp={mesh.size(0)}, tp={mesh.size(1)}) gloo CPU ranks, SGD step")
-    head = f"{'mode':<28} {'step ms':>8} {'vs eager':>9} {'colls/step':>10} {'KiB/step':>9} {'compile s':>9}"
+    head = (
+        f"{'mode':<46} {'step ms':>8} {'vs eager':>9} {'colls/step':>10} {'KiB/step':>9} "
+        f"{'compile s':>9} {'loss 0':>8}"
+    )
     print(head)
-    for name, (med, compile_s, n, nbytes) in rows.items():
+    for name, (med, compile_s, n, nbytes, loss) in rows.items():
         compile_txt = f"{compile_s:>9.1f}" if name != "eager vescale" else f"{'-':>9}"
+        loss_txt = f"{loss:>8.4f}" if loss is not None else f"{'-':>8}"
         print(
-            f"{name:<28} {med * 1e3:>8.2f} {med / base:>8.2f}x {n:>10} "
-            f"{nbytes / 1024:>9.1f} {compile_txt}"
+            f"{name:<46} {med * 1e3:>8.2f} {med / base:>8.2f}x {n:>10} "
+            f"{nbytes / 1024:>9.1f} {compile_txt} {loss_txt}"
         )
     upstream = {k: v[0] for k, v in rows.items() if k.startswith(("upstream", "torchtitan"))}
-    ours = rows["vescale, passes on"][0] if "vescale, passes on" in rows else None
-    if ours is not None and upstream:
-        best = min(upstream, key=upstream.__getitem__)
-        print(f"vescale / best upstream ({best}): {ours / upstream[best]:.2f}")
-        print(f"vescale / compute only: {ours / rows['compute only'][0]:.2f}")
+    if not upstream:
+        return
+    best = min(upstream, key=upstream.__getitem__)
+    for name, label in (("vescale, passes on", "vescale"), (PLAN_ROW, "vescale plan path")):
+        if name in rows:
+            print(f"{label} / best upstream ({best}): {rows[name][0] / upstream[best]:.2f}")
+    for name, label in (("vescale, passes on", "vescale"), (PLAN_ROW, "vescale plan path")):
+        if name in rows and "compute only" in rows:
+            print(f"{label} / compute only: {rows[name][0] / rows['compute only'][0]:.2f}")
 
 
 if __name__ == "__main__":

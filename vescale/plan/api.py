@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 
 from vescale.dtensor.deferred_init import materialize_module
+from vescale.passes.options import BackendOptions
 from vescale.plan.capture import capture_joint
 from vescale.plan.cost import AlphaBeta, calibrate
 from vescale.plan.explain import Explanation, explain
@@ -133,7 +134,8 @@ def parallelize(
     global tensors (or fake tensors) of their shapes; ``outputs`` those of the model outputs
     (default replicated). Every other tensor's placement is chosen by ``solver``: "global"
     (minimum total communication time over the joint forward+backward graph) or "greedy"
-    (op by op, as eager dispatch). ``alpha_beta`` overrides the calibrated cost model.
+    (op by op, as eager dispatch). ``alpha_beta`` overrides the calibrated cost model; when
+    compiled with bucketing on, collectives the ``bucket`` pass merges pay one latency.
     ``model`` is changed in place: its parameters become DTensors in the chosen placements
     (materialized shard-only when it was built with ``vescale.deferred_init``). ``compile``
     compiles the placed step with the ``vescale`` backend (``options`` are its options).
@@ -160,7 +162,8 @@ def parallelize(
     for ph, p in zip(joint.placeholder_names[len(names) :], input_placements):
         fixed[ph] = p
     cost_model = alpha_beta if alpha_beta is not None else calibrate(mesh)
-    program = place(joint, mesh, fixed, output_placements, cost_model, solver)
+    buckets = compile and BackendOptions.resolve(options).bucket_cap_mb > 0
+    program = place(joint, mesh, fixed, output_placements, cost_model, solver, buckets)
     dump_dir = (options or {}).get("dump_dir") or os.environ.get("VESCALE_DUMP_DIR")
     if dump_dir:
         rank = dist.get_rank() if dist.is_initialized() else 0

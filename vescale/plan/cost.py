@@ -7,7 +7,9 @@ to another tensor dim is priced as the all-gather (and local slice) the eager la
 ``alpha`` (latency, s) and ``beta`` (s per byte) are measured per mesh dim by
 :func:`calibrate` on the actual process group (all-reduces of two sizes, the slowest rank's
 time, so every rank gets the same numbers and makes the same choice), cached per mesh shape
-and backend; a user passes :class:`AlphaBeta` values to override.
+and backend; a user passes :class:`AlphaBeta` values to override. Collectives the placed
+program issues together (:func:`bucketed_step`) are merged by the ``bucket`` pass, so the
+solver charges their ``alpha`` once per bucket, not once per tensor.
 
 Compute is estimated too, coarsely: ``gamma`` (s per byte, measured with an element-wise op)
 times the bytes an op's local inputs and outputs hold on one rank. Without it the cheapest
@@ -30,6 +32,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 __all__ = [
     "AlphaBeta",
     "CommStep",
+    "bucketed_step",
     "calibrate",
     "default_alpha_beta",
     "local_bytes",
@@ -167,3 +170,33 @@ def calibrate(mesh: DeviceMesh, sizes: tuple[int, int] = (256, 262144), reps: in
     v = slowest.tolist()
     ab = AlphaBeta(tuple(v[: mesh.ndim]), tuple(v[mesh.ndim : 2 * mesh.ndim]), v[-1])
     return _cache.setdefault(key, ab)
+
+
+def bucketed_step(
+    bucket: str,
+    src: Placements,
+    dst: Placements,
+    shape: tuple[int, ...],
+    itemsize: int,
+    mesh_shape: tuple[int, ...],
+) -> CommStep | None:
+    """The one collective of ``src -> dst`` that the placed program issues together with the
+    others of its ``bucket`` (so the ``bucket`` pass merges them: one latency), or ``None``.
+
+    ``"parameters"``: a parameter with one ``Shard`` (evenly divided) gathered over its mesh
+    dim, then local slices; the program issues all of these first. ``"gradients"``: a gradient
+    whose only collective is one all-reduce (Partial -> Replicate), then local slices; the
+    program issues all of these before any slice, at its end."""
+    steps = redistribution_steps(src, dst, shape, itemsize, mesh_shape)
+    if steps is None or len(steps) != 1:
+        return None
+    step = steps[0]
+    if bucket == "parameters" and step.kind == "all_gather":
+        shards = [(i, p) for i, p in enumerate(src) if not isinstance(p, Replicate)]
+        if len(shards) != 1:
+            return None
+        i, p = shards[0]
+        return step if type(p) is Shard and shape[p.dim] % mesh_shape[i] == 0 else None
+    if bucket == "gradients" and step.kind == "all_reduce":
+        return step
+    return None

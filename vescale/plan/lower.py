@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
+from torch.distributed.tensor.placement_types import Partial
 
 from vescale._torch_compat import pytree
-from vescale.dtensor import DTensor, Replicate
+from vescale.dtensor import DTensor, Replicate, Shard
 from vescale.dtensor.dispatch import explicit_redistribute
 from vescale.plan.program import PlacedProgram
 from vescale.plan.propagate import Placements
@@ -43,26 +44,80 @@ def run_program(program: PlacedProgram, *flat: Any) -> tuple[Any, ...]:
         return _run(program, flat)
 
 
+Early = dict[tuple[torch.fx.Node, Placements], Any]
+
+
 def _run(program: PlacedProgram, flat: tuple[Any, ...]) -> tuple[Any, ...]:
     env: dict[torch.fx.Node, Any] = {}
     inputs = iter(flat)
-    for node in program.joint.gm.graph.nodes:
+    nodes = list(program.joint.gm.graph.nodes)
+    for node in nodes:
         if node.op == "placeholder":
             env[node] = next(inputs)
-        elif node.op == "output":
+    first = program.parameter_nodes
+    for node in first:
+        env[node] = _eval(program, node, env, {})
+    early = _gather_parameters(program, env)
+    done = set(first)
+    for node in nodes:
+        if node.op == "output":
             leaves = [a for a in pytree.tree_leaves(node.args) if isinstance(a, torch.fx.Node)]
-            outs = []
-            for leaf, demand in zip(leaves, program.demands[-len(leaves) :]):
-                outs.append(to_placements(env[leaf], program, program.required(demand)))
-            return tuple(outs)
-        elif node.target is operator.getitem:
-            env[node] = env[node.args[0]][node.args[1]]
-        else:
-            env[node] = _run_node(program, node, env)
+            return _outputs(program, [env[leaf] for leaf in leaves])
+        if node.op != "placeholder" and node not in done:
+            env[node] = _eval(program, node, env, early)
     raise AssertionError("graph without output")
 
 
-def _run_node(program: PlacedProgram, node: torch.fx.Node, env: dict[torch.fx.Node, Any]) -> Any:
+def _eval(
+    program: PlacedProgram, node: torch.fx.Node, env: dict[torch.fx.Node, Any], early: Early
+) -> Any:
+    if node.target is operator.getitem:
+        source, index = node.args
+        assert isinstance(source, torch.fx.Node)
+        return env[source][index]  # type: ignore[index]
+    return _run_node(program, node, env, early)
+
+
+def _gather_parameters(program: PlacedProgram, env: dict[torch.fx.Node, Any]) -> Early:
+    """Every bucketed parameter redistribution, keyed by (value, placements): first all
+    the all-gathers (a ``Shard(d)`` gathered as ``Shard(0)`` of the transposed local view, so
+    no op uses a gathered tensor before the last gather), then the local moves."""
+    todo: dict[tuple[torch.fx.Node, Placements], Placements] = {}
+    for demand in program.demands:
+        if demand.bucket == "parameters":
+            src, dst = program.placements(demand.value), program.required(demand)
+            if program.bucketed(demand, src, dst):
+                todo[(demand.value[0], dst)] = src
+    gathered = {}
+    for (node, dst), src in todo.items():
+        m, p = next((i, p) for i, p in enumerate(src) if not isinstance(p, Replicate))
+        assert isinstance(p, Shard)
+        t = env[node] if p.dim == 0 else env[node].transpose(0, p.dim)
+        mid = tuple(Replicate() if i == m else q for i, q in enumerate(t.placements))
+        gathered[(node, dst)] = (t.redistribute(program.mesh, mid), p.dim)
+    return {
+        key: to_placements(t if d == 0 else t.transpose(0, d), program, key[1])
+        for key, (t, d) in gathered.items()
+    }
+
+
+def _outputs(program: PlacedProgram, values: list[Any]) -> tuple[Any, ...]:
+    """The output leaves in their demanded placements: the bucketed gradients' all-reduces
+    first, all of them, then every local move."""
+    demands = program.demands[-len(values) :]
+    reduced = []
+    for t, demand in zip(values, demands):
+        src = tuple(t.placements) if isinstance(t, _UpstreamDTensor) else None
+        if src is not None and program.bucketed(demand, src, program.required(demand)):
+            mid = tuple(Replicate() if isinstance(p, Partial) else p for p in src)
+            t = t.redistribute(program.mesh, mid)
+        reduced.append(t)
+    return tuple(to_placements(t, program, program.required(d)) for t, d in zip(reduced, demands))
+
+
+def _run_node(
+    program: PlacedProgram, node: torch.fx.Node, env: dict[torch.fx.Node, Any], early: Early
+) -> Any:
     ns = program.table[node]
     if ns.source == "constant":
         args, kwargs = pytree.tree_map_only(
@@ -78,7 +133,9 @@ def _run_node(program: PlacedProgram, node: torch.fx.Node, env: dict[torch.fx.No
             return a
         if not _is_tensor_node(a):
             return env[a]
-        return to_placements(env[a], program, next(wanted))
+        want = next(wanted)
+        hoisted = early.get((a, want))
+        return hoisted if hoisted is not None else to_placements(env[a], program, want)
 
     args = tuple(arg(a) for a in node.args)
     kwargs = {k: arg(v) for k, v in node.kwargs.items()}

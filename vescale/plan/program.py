@@ -17,7 +17,13 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from vescale._torch_compat import pytree
 from vescale.plan.capture import JointGraph
-from vescale.plan.cost import AlphaBeta, CommStep, local_bytes, redistribution_steps
+from vescale.plan.cost import (
+    AlphaBeta,
+    CommStep,
+    bucketed_step,
+    local_bytes,
+    redistribution_steps,
+)
 from vescale.plan.handlers import handler_strategies
 from vescale.plan.propagate import NodeStrategies, Placements, Value, propagate, value_of
 from vescale.plan.solve import TIME_LIMIT_S, Demand, Problem, Solution, solve_global, solve_greedy
@@ -53,8 +59,26 @@ class PlacedProgram:
                 return b
         raise AssertionError("no option of a demand is chosen")
 
+    def bucketed(self, demand: Demand, src: Placements, dst: Placements) -> bool:
+        """Whether ``demand``'s ``src -> dst`` is issued with its bucket's others
+        (:func:`vescale.plan.cost.bucketed_step`)."""
+        if demand.bucket is None or src == dst:
+            return False
+        t = _val(demand.value)
+        shape, size, mesh_shape = tuple(t.shape), t.element_size(), tuple(self.mesh.shape)
+        return bucketed_step(demand.bucket, src, dst, shape, size, mesh_shape) is not None
+
     def steps(self, value: Value, src: Placements, dst: Placements) -> list[CommStep]:
         return _steps(self.mesh, value, src, dst) or []
+
+    @functools.cached_property
+    def parameter_nodes(self) -> list[torch.fx.Node]:
+        """The ops computed from the parameters and buffers alone (no model input), in graph
+        order: the program runs them first, then issues their bucketed redistributions."""
+        activations = _derived_from_inputs(self.joint)
+        return [
+            n for n in self.joint.gm.graph.nodes if n.op == "call_function" and n not in activations
+        ]
 
     def param_placements(self) -> dict[str, Placements]:
         names = self.joint.placeholder_names
@@ -87,16 +111,19 @@ def place(
     output_placements: Sequence[Placements] | None,
     alpha_beta: AlphaBeta,
     solver: str = "global",
+    buckets: bool = False,
 ) -> PlacedProgram:
     """Propagate strategies over ``joint`` (placeholders named in ``fixed`` are fixed) and
     choose per node with ``solver`` ("global" or "greedy"). The model output must arrive in
-    ``output_placements`` (default replicated); gradients in their parameters' placements."""
+    ``output_placements`` (default replicated); gradients in their parameters' placements.
+    ``buckets``: the step is compiled with the ``bucket`` pass on, so the parameters' gathers
+    and the gradients' all-reduces are priced (and issued) as buckets."""
     start = time.perf_counter()
     table = propagate(joint.gm, mesh, fixed, handler_strategies)
     propagated = time.perf_counter()
-    demands = _demands(joint, mesh, table, output_placements)
-    dp_dims = _data_parallel_dims(joint, fixed, mesh)
     activations = _derived_from_inputs(joint)
+    demands = _demands(joint, mesh, table, output_placements, activations if buckets else None)
+    dp_dims = _data_parallel_dims(joint, fixed, mesh)
 
     def cost(value: Value, a: Placements, b: Placements) -> float | None:
         t = _val(value)
@@ -151,7 +178,14 @@ def place(
         inside = ns.internal[s] if ns.internal else ()
         return (alpha_beta.gamma * held + sum(alpha_beta.time(c) for c in inside)) * 1e6
 
-    problem = Problem(table, demands, cost, compute, pair_costs)
+    def latency(bucket: str, value: Value, a: Placements, b: Placements) -> dict[Any, float]:
+        t = _val(value)
+        step = bucketed_step(bucket, a, b, tuple(t.shape), t.element_size(), tuple(mesh.shape))
+        if step is None:
+            return {}
+        return {(step.kind, step.mesh_dim): alpha_beta.alpha[step.mesh_dim] * 1e6}
+
+    problem = Problem(table, demands, cost, compute, pair_costs, latency)
     solution = _solve_once(problem, solver, mesh)
     timings = {"propagate": propagated - start, "solve": time.perf_counter() - propagated}
     return PlacedProgram(
@@ -229,7 +263,11 @@ def _demands(
     mesh: DeviceMesh,
     table: dict[torch.fx.Node, NodeStrategies],
     output_placements: Sequence[Placements] | None,
+    activations: set[torch.fx.Node] | None,
 ) -> list[Demand]:
+    """Every consumer input and output leaf; bucketed (given ``activations``): a value
+    computed from the parameters alone as input of an op on the activations
+    (``"parameters"``), a gradient (``"gradients"``)."""
     out: list[Demand] = []
     for node, ns in table.items():
         for i, value in enumerate(ns.inputs):
@@ -237,7 +275,10 @@ def _demands(
             for s, ins in enumerate(ns.input_placements):
                 options.setdefault(ins[i], []).append(s)
             reason = f"input {i} of {node.target}"
-            out.append(Demand(value, [(b, node, ss) for b, ss in options.items()], reason))
+            param = activations is not None and value[0] not in activations and node in activations
+            opts: list[tuple[Placements, torch.fx.Node | None, list[int]]]
+            opts = [(b, node, ss) for b, ss in options.items()]
+            out.append(Demand(value, opts, reason, "parameters" if param else None))
     output = next(n for n in joint.gm.graph.nodes if n.op == "output")
     leaves = [a for a in pytree.tree_leaves(output.args) if isinstance(a, torch.fx.Node)]
     placeholders = {n.name: n for n in table if n.op == "placeholder"}
@@ -249,7 +290,8 @@ def _demands(
             pnode = param_node[joint.grad_of[i]]
             tied = [(outs[0], pnode, [s]) for s, outs in enumerate(table[pnode].outputs)]
             reason = f"gradient of {joint.grad_of[i]} in its parameter's placements"
-            out.append(Demand(value, tied, reason))  # type: ignore[arg-type]
+            bucket = "gradients" if activations is not None else None
+            out.append(Demand(value, tied, reason, bucket))  # type: ignore[arg-type]
         else:
             want = tuple(output_placements[i]) if output_placements else rep
             out.append(Demand(value, [(want, None, [])], f"output {i} as asked"))

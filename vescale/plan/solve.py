@@ -8,7 +8,10 @@ consumer input) a variable ``y[a, b]`` per pair of producer placements ``a`` and
 placements ``b`` with cost ``c(a -> b)``, tied to both ends by
 ``sum_b y[a, b] = sum_{s: out(s)=a} x[p, s]`` and ``sum_a y[a, b] = sum_{t: in(t)=b} x[c, t]``.
 Minimizing ``sum c y + sum w x`` (``w``: the strategy's estimated compute) is the estimated
-time of forward and backward. Plan placements are the only strategy of their placeholders
+time of forward and backward. Buckets: the latency of a collective that the program issues
+with others of its kind and mesh dim (a demand's ``bucket``, ``Problem.latency``) is a binary
+``z`` per (bucket, kind, mesh dim), ``y <= z`` for each pair paying it: paid once, however
+many tensors the bucket holds; the pair's ``c`` keeps its bandwidth term. Plan placements are the only strategy of their placeholders
 (hard); a gradient output must arrive in its parameter's placements. Ties go to the earlier
 strategy (a cost of ``1e-9`` x its index in the registry's order), so every rank, solving the
 same problem, makes the same choice.
@@ -48,6 +51,7 @@ class Demand:
     value: Value
     options: list[tuple[Placements, torch.fx.Node | None, list[int]]]  # (b, node, strategies)
     reason: str
+    bucket: str | None = None  # its collectives merge with the bucket's others (Problem.latency)
 
 
 @dataclass
@@ -58,6 +62,19 @@ class Problem:
     compute: Callable[[torch.fx.Node, int], float]  # us of a node's strategy
     # cost of every (a, b) pair of one value at once (inf: impossible); default: ``cost``
     pair_costs: Callable[[Value, list[Placements], list[Placements]], np.ndarray] | None = None
+    # for a demand with a ``bucket``: the latency (us, inside ``cost``) of each collective of
+    # the pair that merges with the bucket's others of its key, ``{key: us}`` ({}: none).
+    # A key's latency is paid once per bucket (e.g. one all-gather of every gathered
+    # parameter), its bandwidth term per pair.
+    latency: Callable[[str, Value, Placements, Placements], dict[Any, float]] | None = None
+
+    def shared(self, demand: Demand, a: Placements, b: Placements) -> dict[Any, float]:
+        """``{(bucket, key): us}``: the latencies of the pair ``a -> b`` of ``demand`` paid
+        once per bucket (not in the pair's own cost)."""
+        if demand.bucket is None or self.latency is None:
+            return {}
+        shared = self.latency(demand.bucket, demand.value, a, b)
+        return {(demand.bucket, k): us for k, us in shared.items()}
 
     def costs(self, value: Value, srcs: list[Placements], dsts: list[Placements]) -> np.ndarray:
         if self.pair_costs is not None:
@@ -109,15 +126,20 @@ def _required(demand: Demand, chosen: dict[torch.fx.Node, int]) -> Placements | 
 
 def objective(problem: Problem, chosen: dict[torch.fx.Node, int]) -> float:
     """The estimated time (us) of ``chosen``: compute of every node plus every redistribution
-    (``inf`` when one is impossible)."""
+    (``inf`` when one is impossible), a bucket's latencies once."""
     total = sum(problem.compute(node, s) + TIE * s for node, s in chosen.items())
+    buckets: dict[Any, float] = {}
     for demand in problem.demands:
         producer, k = demand.value
         a = problem.table[producer].outputs[chosen[producer]][0 if k is None else k]
         b = _required(demand, chosen)
         c = problem.cost(demand.value, a, b) if a is not None and b is not None else None
+        if c is not None and a is not None and b is not None:
+            shared = problem.shared(demand, a, b)
+            c -= sum(shared.values())
+            buckets.update(shared)
         total += float("inf") if c is None else c
-    return total
+    return total + sum(buckets.values())
 
 
 @dataclass
@@ -129,7 +151,8 @@ class _Edge:
     same: list[tuple[int, int]]  # pairs (a, b) with a == b
     groups: list[list[int]]
     options: list[tuple[torch.fx.Node | None, list[int]]]
-    cost: np.ndarray
+    cost: np.ndarray  # without the latencies in ``shared``
+    shared: dict[tuple[int, int], dict[Any, float]]  # per pair: Problem.shared
 
 
 def _edges(problem: Problem, upper: float) -> list[_Edge]:
@@ -137,18 +160,28 @@ def _edges(problem: Problem, upper: float) -> list[_Edge]:
     for demand in problem.demands:
         producer, k = demand.value
         groups = _producer_groups(problem.table[producer], k)
-        cost = problem.costs(demand.value, list(groups), [b for b, _, _ in demand.options])
+        dsts = [b for b, _, _ in demand.options]
+        cost = problem.costs(demand.value, list(groups), dsts)
         cost[cost > upper] = np.inf  # dearer pairs are in no solution better than greedy's
+        shared = {}
+        srcs = list(groups)
+        for i, j in zip(*np.nonzero(np.isfinite(cost))) if demand.bucket is not None else ():
+            latency = problem.shared(demand, srcs[i], dsts[j])
+            if latency:
+                shared[(int(i), int(j))] = latency
+                cost[i, j] -= sum(latency.values())
         options = [(node, strategies) for _, node, strategies in demand.options]
         where = {b: j for j, (b, _, _) in enumerate(demand.options)}
         same = [(i, where[a]) for i, a in enumerate(groups) if a in where]
-        out.append(_Edge(producer, same, list(groups.values()), options, cost))
+        out.append(_Edge(producer, same, list(groups.values()), options, cost, shared))
     return out
 
 
 class _Program:
     """The LP over all node variables and a growing subset of pair variables (column
-    generation: a pair enters when its reduced cost under the current duals is negative)."""
+    generation: a pair enters when its reduced cost under the current duals is negative).
+    A bucket key's latency is a variable ``z`` of that cost, with ``y <= z`` for every pair
+    ``y`` paying it (inequality rows, added with the pair)."""
 
     def __init__(self, problem: Problem, edges: list[_Edge]) -> None:
         self.edges = edges
@@ -180,6 +213,9 @@ class _Program:
                 ]
             )
         self.pairs: dict[tuple[int, int, int], int] = {}
+        self.z: dict[Any, int] = {}  # bucket key -> its column
+        self.ub: list[tuple[int, int]] = []  # rows y - z <= 0: (pair column, z column)
+        self.ub_rows: dict[tuple[int, int, int], list[int]] = {}  # pair -> its rows in ub
 
     def _row(self, plus: list[int], minus: list[int], value: float) -> int:
         r = len(self.rhs)
@@ -198,6 +234,12 @@ class _Program:
         self.rows += [self.row_a[e][i], self.row_b[e][j]]
         self.cols += [col, col]
         self.vals += [1.0, 1.0]
+        for key, us in self.edges[e].shared.get((i, j), {}).items():
+            if key not in self.z:
+                self.z[key] = len(self.costs)
+                self.costs.append(us)
+            self.ub_rows.setdefault((e, i, j), []).append(len(self.ub))
+            self.ub.append((col, self.z[key]))
 
     def matrix(self) -> Any:
         import scipy.sparse
@@ -205,15 +247,31 @@ class _Program:
         shape = (len(self.rhs), len(self.costs))
         return scipy.sparse.csr_array((self.vals, (self.rows, self.cols)), shape=shape)
 
-    def price(self, duals: np.ndarray) -> tuple[int, float]:
+    def ub_matrix(self) -> Any:
+        """``y - z <= 0`` per shared latency of a pair (``None``: no such row)."""
+        import scipy.sparse
+
+        if not self.ub:
+            return None
+        rows = [r for r in range(len(self.ub)) for _ in (0, 1)]
+        cols = [c for pair in self.ub for c in pair]
+        vals = [1.0, -1.0] * len(self.ub)
+        shape = (len(self.ub), len(self.costs))
+        return scipy.sparse.csr_array((vals, (rows, cols)), shape=shape)
+
+    def price(self, duals: np.ndarray, ub_duals: np.ndarray) -> tuple[int, float]:
         """Add each edge's pairs of most negative reduced cost (per row and per column); how
         many were added, and the sum over edges of their minimum reduced cost (each edge's
-        pairs sum to one, so the LP over all pairs is at least this LP's value plus it)."""
+        pairs sum to one, so the LP over all pairs is at least this LP's value plus it; a
+        pair not yet in the LP has its ``y <= z`` rows relaxed, multiplier 0)."""
         added, shortfall = 0, 0.0
         for e, edge in enumerate(self.edges):
             ua = duals[self.row_a[e]][:, None]
             ub = duals[self.row_b[e]][None, :]
             reduced = edge.cost - ua - ub
+            for i, j in edge.shared:
+                ub_rows = self.ub_rows.get((e, i, j), [])
+                reduced[i, j] -= float(ub_duals[ub_rows].sum()) if ub_rows else 0.0
             negative = reduced < -1e-7 * (1 + np.abs(edge.cost))
             if not negative.any():
                 continue
@@ -253,8 +311,11 @@ def solve_global(problem: Problem, time_limit_s: float = TIME_LIMIT_S) -> Soluti
     rounds, bound, best, best_x = 0, None, np.inf, None
     while time.monotonic() < deadline:
         rounds += 1
+        a_ub = lp.ub_matrix()
         result = scipy.optimize.linprog(
             np.asarray(lp.costs),
+            A_ub=a_ub,
+            b_ub=None if a_ub is None else np.zeros(a_ub.shape[0]),
             A_eq=lp.matrix(),
             b_eq=np.asarray(lp.rhs),
             bounds=(0, None),
@@ -265,17 +326,21 @@ def solve_global(problem: Problem, time_limit_s: float = TIME_LIMIT_S) -> Soluti
             break
         if float(result.fun) < best and not np.any((result.x > 1e-6) & (result.x < 1 - 1e-6)):
             best, best_x = float(result.fun), result.x  # integral: a choice
-        added, shortfall = lp.price(np.asarray(result.eqlin.marginals))
+        ub_duals = np.asarray(result.ineqlin.marginals) if a_ub is not None else np.zeros(0)
+        added, shortfall = lp.price(np.asarray(result.eqlin.marginals), ub_duals)
         bound = max(bound or -np.inf, float(result.fun) + shortfall)  # no choice is cheaper
         if added == 0 or best - bound <= GAP * abs(best):
             break
     x, status = best_x, f"column generation ({rounds} LPs), integral"
     if x is None:  # no integral LP solution: branch and bound over the priced pairs
         n = len(lp.costs)
+        constraints = [scipy.optimize.LinearConstraint(lp.matrix(), lp.rhs, lp.rhs)]
+        if lp.ub:
+            constraints.append(scipy.optimize.LinearConstraint(lp.ub_matrix(), -np.inf, 0.0))
         mip = scipy.optimize.milp(
             np.asarray(lp.costs),
             integrality=np.ones(n),
-            constraints=scipy.optimize.LinearConstraint(lp.matrix(), lp.rhs, lp.rhs),
+            constraints=constraints,
             bounds=scipy.optimize.Bounds(0, 1),
             options={"time_limit": max(deadline - time.monotonic(), 10.0), "mip_rel_gap": 1e-7},
         )
