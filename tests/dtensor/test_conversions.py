@@ -1,6 +1,7 @@
 """distribute_tensor / from_local / to_local / full_tensor / redistribute against torch.chunk
 references on real gloo ranks: 1-D meshes of 2 and 4 ranks and a 2x2 mesh, uneven shapes,
-forward and backward."""
+forward and backward (redistribution: every pair on 1-D meshes, a strength-3 covering on 2x2,
+every pair with --full)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import vescale
 from tests.dtensor.reference import (
     coord_of,
     expected_local,
+    layout_pairs,
     mesh_of,
     partial_source,
 )
@@ -104,25 +106,24 @@ def _grad_layout(placements):
     return tuple(Replicate() if p.is_partial() else p for p in placements)
 
 
-def _check_redistribute_all_pairs(mesh_shape, extra):
+def _check_redistribute_pairs(mesh_shape, pairs):
     mesh = mesh_of(mesh_shape)
     coord = coord_of(mesh_shape)
-    sets = _placement_sets(len(mesh_shape))
-    pairs = list(itertools.product(sets, sets)) + extra
     for src, dst in pairs:
         full, local = partial_source(src, mesh_shape, SHAPE)
         leaf = local.clone().requires_grad_(True)
         x = vescale.from_local(leaf, mesh, src, run_check=False)
         assert x.shape == SHAPE, (src, x.shape)
         y = x.redistribute(mesh, dst)
-        assert tuple(y.placements) == tuple(dst)
-        assert torch.allclose(y.full_tensor(), full, atol=1e-12), (src, dst)
+        assert tuple(y.placements) == tuple(dst) and y.shape == SHAPE, (src, dst)
+        whole = y.full_tensor()  # one gather, checked and differentiated through
+        assert torch.allclose(whole, full, atol=1e-12), (src, dst)
         if not any(p.is_partial() for p in dst):
             want = expected_local(full, mesh_shape, coord, dst)
             assert torch.allclose(y.to_local(async_output=False), want, atol=1e-12), (src, dst)
         if {p.reduce_op for p in src if isinstance(p, Partial)} <= {"sum"}:
             weight = torch.randn(*SHAPE, dtype=torch.float64)
-            (y.full_tensor() * weight).sum().backward()
+            (whole * weight).sum().backward()
             want_grad = expected_local(weight, mesh_shape, coord, _grad_layout(src))
             assert torch.allclose(leaf.grad, want_grad, atol=1e-12), (src, dst)
     return len(pairs)
@@ -217,18 +218,31 @@ def test_run_check_broadcasts_replicate(pool4):
     pool4.run(_check_run_check_env_off, env={"VESCALE_DISABLE_RUN_CHECK": "1"})
 
 
+def _redistribute_pairs(world, mesh_shape, request, full):
+    pool = request.getfixturevalue(f"pool{world}")
+    pairs = layout_pairs(BASIC, len(mesh_shape), full=full)
+    if len(mesh_shape) == 1:
+        mx = (Partial("max"),)
+        pairs += [(mx, (Replicate(),)), (mx, (Shard(0),)), (mx, (Shard(1),)), (mx, mx)]
+        pairs += [((Replicate(),), mx), ((Shard(1),), mx), ((Partial("sum"),), mx)]
+    assert pool.run(_check_redistribute_pairs, mesh_shape, pairs)[0] == len(pairs)
+
+
 @pytest.mark.parametrize(
     "world,mesh_shape", [(2, (2,)), (4, (4,)), (4, (2, 2))], ids=["1d-2", "1d-4", "2d-2x2"]
 )
 def test_redistribute_every_pair(world, mesh_shape, request):
-    pool = request.getfixturevalue(f"pool{world}")
-    extra = []
-    if len(mesh_shape) == 1:
-        mx = (Partial("max"),)
-        extra = [(mx, (Replicate(),)), (mx, (Shard(0),)), (mx, (Shard(1),)), (mx, mx)]
-        extra += [((Replicate(),), mx), ((Shard(1),), mx), ((Partial("sum"),), mx)]
-    n = pool.run(_check_redistribute_all_pairs, mesh_shape, extra)[0]
-    assert n == 4 ** (2 * len(mesh_shape)) + len(extra)
+    """Every pair on 1-D meshes (and Partial("max") to and from each kind); on 2x2 the
+    strength-3 covering of reference.layout_pairs (each mesh dim's transition with every
+    placement of the other mesh dim as source and as destination: 64 of the 256 pairs); the
+    full product runs with --full."""
+    _redistribute_pairs(world, mesh_shape, request, full=False)
+
+
+@pytest.mark.full
+def test_redistribute_every_pair_2x2_full_product(request):
+    """All 256 pairs on 2x2 (nightly-style)."""
+    _redistribute_pairs(4, (2, 2), request, full=True)
 
 
 def test_replicate_to_partial_is_local(pool4):
