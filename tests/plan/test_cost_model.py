@@ -25,6 +25,7 @@ from vescale import Replicate, Shard
 from vescale.plan import AlphaBeta
 from vescale.plan.capture import capture_joint
 from vescale.plan.cost import bucketed_step
+from vescale.plan.explain import explain
 from vescale.plan.program import place
 from vescale.plan.propagate import NodeStrategies, Placements, Value
 from vescale.plan.solve import Demand, Problem, objective, solve_global, solve_greedy
@@ -163,6 +164,10 @@ def test_mlp_gathers_its_weights_when_latency_dominates() -> None:
                 kinds[(demand.bucket, s.kind)] += 1
         if gathers:
             assert set(kinds) == {("parameters", "all_gather")}, kinds
+            report = explain(program)  # one latency for the bucket, bandwidth per tensor
+            n = kinds[("parameters", "all_gather")]
+            assert report.buckets == {("parameters", "all_gather", 0): n}
+            assert report.estimated_us == pytest.approx(1e3 + report.total_bytes * 1e-3)
         else:
             assert ("parameters", "all_gather") not in kinds, kinds
 

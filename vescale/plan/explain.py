@@ -53,6 +53,7 @@ class Explanation:
     timings_s: dict[str, float]
     measured: dict[str, Any] = field(default_factory=dict)
     solution: Solution | None = None
+    buckets: dict[tuple[str, str, int], int] = field(default_factory=dict)  # key -> members
 
     @property
     def bytes_by_dim_and_kind(self) -> Counter[tuple[int, str]]:
@@ -72,7 +73,9 @@ class Explanation:
 
     @property
     def estimated_us(self) -> float:
-        return sum(r.cost_us for r in self.redistributions)
+        """Every redistribution's time, a bucket's latency once."""
+        shared = sum(self.alpha_beta.alpha[d] * (n - 1) for (_, _, d), n in self.buckets.items())
+        return sum(r.cost_us for r in self.redistributions) - shared * 1e6
 
     def summary(self) -> str:
         ab = self.alpha_beta
@@ -82,7 +85,8 @@ class Explanation:
             *self._solution_lines(),
             "alpha (us) / beta (ns/B) per mesh dim: "
             + ", ".join(f"{a * 1e6:.1f} / {b * 1e9:.3f}" for a, b in zip(ab.alpha, ab.beta)),
-            f"collectives per step: {self.collective_count}, bytes per step: {self.total_bytes}, "
+            f"collectives per step: {self.collective_count}{self._merged()}, "
+            f"bytes per step: {self.total_bytes}, "
             f"estimated communication time: {self.estimated_us:.1f} us",
             "| mesh dim | kind | count | bytes |",
             "|---|---|---|---|",
@@ -95,6 +99,14 @@ class Explanation:
         for k, v in self.measured.items():
             lines.append(f"measured {k}: {v}")
         return "\n".join(lines)
+
+    def _merged(self) -> str:
+        if not self.buckets:
+            return ""
+        members = sum(self.buckets.values())
+        merged = self.collective_count - members + len(self.buckets)
+        parts = ", ".join(f"{b} {k}[dim {d}] x{n}" for (b, k, d), n in sorted(self.buckets.items()))
+        return f" ({merged} after the bucket pass: {parts})"
 
     def _solution_lines(self) -> list[str]:
         sol = self.solution
@@ -156,12 +168,15 @@ def _source(node: torch.fx.Node | None) -> str:
 def explain(program: PlacedProgram, max_alternatives: int = 3) -> Explanation:
     """The :class:`Explanation` of ``program`` (also ``PlannedModule.explain()``)."""
     redistributions = []
+    buckets: Counter[tuple[str, str, int]] = Counter()
     for demand in program.demands:
         src = program.placements(demand.value)
         dst = program.required(demand)
         if src == dst:
             continue
         steps = tuple(program.steps(demand.value, src, dst))
+        if demand.bucket is not None and program.bucketed(demand, src, dst):
+            buckets.update((demand.bucket, s.kind, s.mesh_dim) for s in steps)
         node, k = demand.value
         consumer = next((n for _, n, _ in demand.options if n is not None), None)
         name = node.name if k is None else f"{node.name}[{k}]"
@@ -215,4 +230,5 @@ def explain(program: PlacedProgram, max_alternatives: int = 3) -> Explanation:
         redistributions,
         dict(program.timings_s),
         solution=program.solution,
+        buckets=dict(buckets),
     )
