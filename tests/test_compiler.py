@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch.distributed.tensor.debug import CommDebugMode
 
 import vescale
+from tests.compiled_gpt import gpt_results
 from tests.dtensor.reference import mesh_of
-from tests.harness.collectives import count_collectives
 from vescale import Replicate, Shard
-from vescale.backend import PASSES_OFF, BackendOptions
+from vescale.backend import BackendOptions
 
 LAYOUT = {"w1": [Shard(0)], "b1": [Shard(0)], "w2": [Shard(1)]}
 
@@ -202,83 +202,53 @@ def test_every_compute_node_has_placements(pool4, mlp_inductor_dumps):
 # ---- the GPT of the demo on a (dp=2, tp=2) mesh ---------------------------------------------
 
 
-def _gpt_runs(mode):
-    import train_demo
-
-    options = None if mode == "eager-env" else {"codegen": mode}
-    runs = train_demo.gpt_runs(steps=3, options=options)
-    return {name: (run.losses, run.params) for name, run in runs.items()}
-
-
 @pytest.mark.parametrize("mode", ["inductor", "fx", "eager-env"])
 def test_gpt_2d_compiled_equals_eager_and_single_device(pool4, mode):
-    env = {"VESCALE_COMPILE_EAGER": "1"} if mode == "eager-env" else {}
-    for runs in pool4.run(_gpt_runs, mode, env=env):
-        ref_losses, ref_params = runs["1-device"]
+    for rank in gpt_results(pool4, mode):
+        ref_losses, ref_params = rank.runs["1-device"]
         assert ref_losses[-1] < ref_losses[0]  # it trains
         for name in ("vescale", "eager"):
-            losses, params = runs[name]
+            losses, params = rank.runs[name]
             assert all(abs(a - b) < 1e-5 for a, b in zip(losses, ref_losses)), (name, losses)
             assert params.keys() == ref_params.keys()
             for k, v in params.items():
                 torch.testing.assert_close(v, ref_params[k], atol=1e-5, rtol=1e-4, msg=k)
 
 
-def _check_gpt_collectives(dump_root):
+def test_gpt_collectives_match_eager(pool4):
+    """The captured program as eager issues it (communication passes off) against eager DDP
+    unbucketed (one reduction per gradient), counted by the profiler."""
     import gpt
 
-    from vescale.ddp import DistributedDataParallel
-
-    torch._dynamo.reset()
-    mesh = vescale.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    cfg = gpt.GPTConfig()
-    inputs = gpt.shard_batch(mesh, *gpt.batch(cfg, 0))
-    # unbucketed on both sides: eager DDP issues one reduction per gradient, like the
-    # captured program before the passes
-    eager = DistributedDataParallel(gpt.parallelize(gpt.build(cfg), mesh), bucket_cap_mb=0)
-    with count_collectives() as eager_counts:  # CommDebugMode misses in-dispatch collectives
-        eager(*inputs).backward()
-    model = DistributedDataParallel(gpt.parallelize(gpt.build(cfg), mesh))
-    # the captured program as eager issues it: communication passes off
-    options = {"codegen": "fx", "dump_dir": dump_root, **PASSES_OFF}
-    torch.compile(model, backend="vescale", options=options)(*inputs).backward()
-    rank = torch.distributed.get_rank()
-    records = json.loads((Path(dump_root) / f"rank{rank}" / "collectives.json").read_text())
-    assert Counter(r["kind"] for r in records) == eager_counts, (
-        eager_counts,
-        Counter(r["kind"] for r in records),
-    )
-    # forward: per block the two row-parallel all-reduces, the vocabulary-parallel
-    # cross-entropy's two per-token all-reduces (tp), the mean's global target count (dp)
-    forward = [(r["kind"], r["mesh_dim"]) for r in records if r["graph"].endswith("forward")]
-    assert forward == [("all_reduce", 1)] * 6 + [("all_reduce", 0)], forward
-    # backward over tp: one all-reduce per layer norm (5) and the loss's, no reduce-scatter +
-    # all-gather pairs (layer-norm backward keeps its input's layout: ops/norm_backward.py)
-    tp_backward = [
-        r["kind"] for r in records if r["graph"].endswith("backward") and r["mesh_dim"] == 1
-    ]
-    assert tp_backward == ["all_reduce"] * 6, tp_backward
-    # backward: every parameter's gradient all-reduced over dp, once (a gradient Partial over
-    # tp too: one all-reduce over the flattened dp x tp group, mesh_dim None)
-    dp_grads = [
-        r for r in records if r["graph"].endswith("backward") and r["mesh_dim"] in (0, None)
-    ]
-    n_params = len(list(model.parameters()))
-    assert (
-        sum(r["source"].startswith("distributed_data_parallel.py:") for r in dp_grads) == n_params
-    )
-    for r in records:
-        assert r["bytes"] > 0 and re.fullmatch(r"[\w.]+\.py:\d+", r["source"]), r
-        groups = {0: [rank % 2, rank % 2 + 2], 1: [rank // 2 * 2, rank // 2 * 2 + 1]}
-        # the flattened dp x tp group is the world group, which a 1-D world mesh built by an
-        # earlier test in the same worker labels as its mesh dim 0: known labelling ambiguity
-        world = r["group_ranks"] == [0, 1, 2, 3] and r["mesh_dim"] in (0, None)
-        assert world or r["group_ranks"] == groups.get(r["mesh_dim"]), r
-
-
-def test_gpt_collectives_match_eager(pool4):
-    with tempfile.TemporaryDirectory() as root:
-        pool4.run(_check_gpt_collectives, root)
+    n_params = len(list(gpt.build(gpt.GPTConfig()).parameters()))
+    for rank, result in enumerate(gpt_results(pool4, "fx-passes-off")):
+        records = result.records
+        kinds = Counter(r["kind"] for r in records)
+        assert kinds == result.eager_counts, (result.eager_counts, kinds)
+        # forward: per block the two row-parallel all-reduces, the vocabulary-parallel
+        # cross-entropy's two per-token all-reduces (tp), the mean's global target count (dp)
+        forward = [(r["kind"], r["mesh_dim"]) for r in records if r["graph"].endswith("forward")]
+        assert forward == [("all_reduce", 1)] * 6 + [("all_reduce", 0)], forward
+        # backward over tp: one all-reduce per layer norm (5) and the loss's, no reduce-scatter
+        # + all-gather pairs (layer-norm backward keeps its input's layout: ops/norm_backward.py)
+        tp_backward = [
+            r["kind"] for r in records if r["graph"].endswith("backward") and r["mesh_dim"] == 1
+        ]
+        assert tp_backward == ["all_reduce"] * 6, tp_backward
+        # backward: every parameter's gradient all-reduced over dp, once (a gradient Partial
+        # over tp too: one all-reduce over the flattened dp x tp group, mesh_dim None)
+        dp_grads = [
+            r for r in records if r["graph"].endswith("backward") and r["mesh_dim"] in (0, None)
+        ]
+        ddp_source = [r["source"].startswith("distributed_data_parallel.py:") for r in dp_grads]
+        assert sum(ddp_source) == n_params
+        for r in records:
+            assert r["bytes"] > 0 and re.fullmatch(r"[\w.]+\.py:\d+", r["source"]), r
+            groups = {0: [rank % 2, rank % 2 + 2], 1: [rank // 2 * 2, rank // 2 * 2 + 1]}
+            # the flattened dp x tp group is the world group, which a 1-D world mesh built by
+            # an earlier test in the same worker labels as its mesh dim 0: known ambiguity
+            world = r["group_ranks"] == [0, 1, 2, 3] and r["mesh_dim"] in (0, None)
+            assert world or r["group_ranks"] == groups.get(r["mesh_dim"]), r
 
 
 # ---- fallbacks and options ------------------------------------------------------------------

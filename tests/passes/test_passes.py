@@ -5,11 +5,8 @@ the same program with the pass off and against single-device torch."""
 
 from __future__ import annotations
 
-import json
 import re
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,10 +14,10 @@ import torch.distributed as dist
 from torch import nn
 
 import vescale
+from tests.compiled_gpt import gpt_results
 from tests.dtensor.reference import mesh_of
 from tests.harness import fake_world
 from vescale import Replicate, Shard
-from vescale.backend import PASSES_OFF
 from vescale.ddp import DistributedDataParallel
 from vescale.fx.collectives import COLLECTIVE_KINDS
 from vescale.fx.dump import graph_text
@@ -128,58 +125,35 @@ def test_schedule_respects_the_memory_cap():
     assert _most_in_flight(capped.backward) == 1
 
 
-def _gpt(options):
-    import train_demo
-
-    runs = train_demo.gpt_runs(steps=3, options={"codegen": "fx", **options})
-    return {name: (run.losses, run.params) for name, run in runs.items()}
-
-
 def test_gpt_numerics_unchanged_by_passes(pool4):
-    on = pool4.run(_gpt, {})
-    off = pool4.run(_gpt, PASSES_OFF)
+    on, off = gpt_results(pool4, "fx"), gpt_results(pool4, "fx-passes-off")
     for with_passes, without in zip(on, off):
-        ref_losses, ref_params = with_passes["1-device"]
-        for losses, params in (with_passes["vescale"], without["vescale"]):
+        ref_losses, ref_params = with_passes.runs["1-device"]
+        for losses, params in (with_passes.runs["vescale"], without.runs["vescale"]):
             assert all(abs(a - b) < 1e-5 for a, b in zip(losses, ref_losses)), losses
             for k, v in params.items():
                 torch.testing.assert_close(v, ref_params[k], atol=1e-5, rtol=1e-4)
-        assert with_passes["vescale"][0] == pytest.approx(without["vescale"][0], abs=1e-6)
+        on_losses, off_losses = with_passes.runs["vescale"][0], without.runs["vescale"][0]
+        assert on_losses == pytest.approx(off_losses, abs=1e-6)
 
 
-def _gpt_collectives(dump_root, options):
-    import gpt
-
-    torch._dynamo.reset()
-    mesh = vescale.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    cfg = gpt.GPTConfig()
-    model = DistributedDataParallel(gpt.parallelize(gpt.build(cfg), mesh))
-    opts = {"codegen": "fx", "dump_dir": dump_root, **options}
-    torch.compile(model, backend="vescale", options=opts)(
-        *gpt.shard_batch(mesh, *gpt.batch(cfg, 0))
-    ).backward()
-    folder = Path(dump_root) / f"rank{dist.get_rank()}"
-    records = json.loads((folder / "collectives.json").read_text())
-    trace = json.loads((folder / records[-1]["graph"] / "schedule.json").read_text())
-    lanes = {e["tid"] for e in trace["traceEvents"]}
-    fingerprint = (folder / records[-1]["graph"] / "graph.fingerprint.txt").exists()
-    sequence = [
+def _sequence(records):
+    return [
         (r["graph"], r["kind"], r["dtype"], r["mesh_dim"], r["bytes"], r["bucket"]) for r in records
     ]
-    return len(records), sum(r["bytes"] for r in records), lanes, fingerprint, sequence
 
 
 def test_gpt_passes_issue_fewer_collectives_same_bytes(pool4):
-    with tempfile.TemporaryDirectory() as on, tempfile.TemporaryDirectory() as off:
-        with_passes = pool4.run(_gpt_collectives, on, {})
-        without = pool4.run(_gpt_collectives, off, PASSES_OFF)
-    for (n_on, bytes_on, lanes, dumped, _), (n_off, bytes_off, *_) in zip(with_passes, without):
+    with_passes, without = gpt_results(pool4, "fx"), gpt_results(pool4, "fx-passes-off")
+    for on, off in zip(with_passes, without):
+        n_on, n_off = len(on.records), len(off.records)
         assert n_on < n_off / 2, (n_on, n_off)
-        assert bytes_on == bytes_off  # bucketing packs, it does not add or drop data
-        assert lanes == {"compute", "communication"} and dumped
+        # bucketing packs, it does not add or drop data
+        assert sum(r["bytes"] for r in on.records) == sum(r["bytes"] for r in off.records)
+        assert on.lanes == {"compute", "communication"} and on.fingerprinted
     # the same collective sequence on every rank (rank_check, on by default, compared the
     # fingerprints already before the first run)
-    assert all(r[4] == with_passes[0][4] for r in with_passes)
+    assert all(_sequence(r.records) == _sequence(with_passes[0].records) for r in with_passes)
 
 
 def _eliminate(options):
