@@ -118,19 +118,21 @@ def _check_sharded(name):
     torch.manual_seed(11)
     m = deferred_init(fn)
     state = torch.get_rng_state()
-    for (mesh_shape, placements), (pname, param) in itertools.product(
-        LAYOUTS, m.named_parameters()
-    ):
-        if param.ndim < max((p.dim + 1 for p in placements if isinstance(p, Shard)), default=0):
-            continue
+    for mesh_shape, placements in LAYOUTS:
         mesh = mesh_of(mesh_shape)
-        with count_collectives() as counts:
-            dt = materialize_dtensor(param, mesh, placements)
-        case = (name, pname, mesh_shape, placements)
-        assert sum(counts.values()) == 0, (case, counts)
-        assert tuple(dt.shape) == tuple(param.shape) and tuple(dt.placements) == tuple(placements)
-        want = expected_local(eager[pname].detach(), mesh_shape, coord_of(mesh_shape), placements)
-        assert torch.equal(dt.to_local(), want), case
+        with count_collectives() as counts:  # none for any parameter of this layout
+            for pname, param in m.named_parameters():
+                sharded = (p.dim + 1 for p in placements if isinstance(p, Shard))
+                if param.ndim < max(sharded, default=0):
+                    continue
+                dt = materialize_dtensor(param, mesh, placements)
+                case = (name, pname, mesh_shape, placements)
+                assert tuple(dt.shape) == tuple(param.shape), case
+                assert tuple(dt.placements) == tuple(placements), case
+                coord = coord_of(mesh_shape)
+                want = expected_local(eager[pname].detach(), mesh_shape, coord, placements)
+                assert torch.equal(dt.to_local(), want), case
+        assert sum(counts.values()) == 0, (name, mesh_shape, placements, counts)
     assert is_deferred(m)  # materialize_dtensor leaves the module alone
     assert torch.equal(torch.get_rng_state(), state)
 

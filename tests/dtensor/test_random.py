@@ -111,21 +111,23 @@ def _inits():
 
 
 def _check_inits(shape):
-    for (mesh_shape, placements), (name, init) in itertools.product(LAYOUTS, _inits().items()):
-        x = torch.arange(float(torch.Size(shape).numel())).view(shape) + 1.0
-        SEED(7)
-        expected = init(x.clone())
-        after = torch.rand(3)
-        d = local_dtensor(x, mesh_shape, placements)
-        SEED(7)
-        with count_collectives() as counts:
-            out = init(d)
-        case = (mesh_shape, placements, name)
-        assert sum(counts.values()) == 0, (case, counts)
-        assert isinstance(out, vescale.DTensor) and tuple(out.placements) == tuple(placements)
-        local = expected_local(expected, mesh_shape, coord_of(mesh_shape), placements)
-        assert torch.equal(out.to_local(), local), case
-        assert torch.equal(torch.rand(3), after), case  # the generator ends as on one device
+    x = torch.arange(float(torch.Size(shape).numel())).view(shape) + 1.0
+    for mesh_shape, placements in LAYOUTS:
+        with count_collectives() as counts:  # none for any init on this layout
+            for name, init in _inits().items():
+                SEED(7)
+                expected = init(x.clone())
+                after = torch.rand(3)
+                d = local_dtensor(x, mesh_shape, placements)
+                SEED(7)
+                out = init(d)
+                case = (mesh_shape, placements, name)
+                assert isinstance(out, vescale.DTensor), case
+                assert tuple(out.placements) == tuple(placements), case
+                local = expected_local(expected, mesh_shape, coord_of(mesh_shape), placements)
+                assert torch.equal(out.to_local(), local), case
+                assert torch.equal(torch.rand(3), after), case  # as on one device
+        assert sum(counts.values()) == 0, (mesh_shape, placements, counts)
 
 
 @pytest.mark.parametrize("shape", [(8, 12), (5, 7), (3, 40)])  # even; uneven; empty shards
