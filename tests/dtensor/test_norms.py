@@ -11,7 +11,7 @@ import torch
 
 import vescale
 from tests.dtensor.op_cases import EVEN
-from tests.dtensor.reference import mesh_of
+from tests.dtensor.reference import compared, local_dtensor
 from tests.dtensor.strategy_validation import CASE_BY_NAME
 from tests.dtensor.test_op_fuzz import check_layout
 from tests.harness.collectives import count_collectives
@@ -38,15 +38,15 @@ def _check_inf_norms(shape: tuple[int, int], explicit: bool) -> None:
         ref = torch.linalg.vector_norm(ref_x, order)
         ref.backward()
         for mesh_shape, placements in LAYOUTS:
-            dx = vescale.distribute_tensor(x, mesh_of(mesh_shape), placements).requires_grad_()
+            dx = local_dtensor(x, mesh_shape, placements).requires_grad_()
             with vescale.dtensor.explicit_redistribute(explicit):
                 with count_collectives() as forward:
                     out = torch.linalg.vector_norm(dx, order)
                 with count_collectives() as backward:
                     out.backward()
             what = (order, mesh_shape, placements)
-            _close(out.full_tensor(), ref.detach())
-            _close(dx.grad.full_tensor(), ref_x.grad)
+            _close(*compared(out, ref.detach()))
+            _close(*compared(dx.grad, ref_x.grad))
             assert tuple(dx.grad.placements) == tuple(placements), what
             if explicit:  # even shards: local extrema, no gather; backward: the norm and
                 # the count of extrema all-reduced, one all-reduce per sharded mesh dim each
@@ -82,11 +82,11 @@ def _check_empty_dim_list(name: str, shape: tuple[int, int]) -> None:
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     ref = fn(x)
     for mesh_shape, placements in LAYOUTS:
-        dx = vescale.distribute_tensor(x, mesh_of(mesh_shape), placements)
+        dx = local_dtensor(x, mesh_shape, placements)
         with vescale.dtensor.explicit_redistribute(False):
             out = fn(dx)
             assert out.shape == ref.shape, (name, placements, out.shape)
-            _close(out.full_tensor(), ref)
+            _close(*compared(out, ref))
 
 
 @pytest.mark.parametrize("name", sorted(REDUCTIONS))

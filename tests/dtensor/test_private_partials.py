@@ -14,7 +14,7 @@ import itertools
 import torch
 
 import vescale
-from tests.dtensor.reference import mesh_of
+from tests.dtensor.reference import local_dtensor, mesh_of
 from vescale import Replicate, Shard
 from vescale.dtensor import explicit_redistribute
 from vescale.dtensor.placement_types import is_private_partial
@@ -32,11 +32,10 @@ def _check_gather() -> int:
     x, idx = torch.randn(4, 8, 3, dtype=torch.float64), torch.randint(8, (4, 1, 3))
     checked = 0
     for shape in MESHES:
-        mesh = mesh_of(shape)
         for xp in _layouts(3, len(shape)):
             for ip in [(Replicate(),) * len(shape), *_layouts(3, len(shape))[1:3]]:
-                dx = vescale.distribute_tensor(x, mesh, xp)
-                di = vescale.distribute_tensor(idx, mesh, ip)
+                dx = local_dtensor(x, shape, xp)
+                di = local_dtensor(idx, shape, ip)
                 with explicit_redistribute(False):
                     out = torch.gather(dx, 1, di)
                 assert type(out) is vescale.DTensor
