@@ -2,10 +2,19 @@
 placements of its inputs (Replicate, Shard on each dim, Partial for float data), on even and
 uneven sizes, forward and backward, against single-device torch in float64:
 
-* 1-D meshes of 2 and 4 ranks: every placement combination of the inputs;
+* the 1-D mesh of 2 ranks: every placement combination of the inputs, on both sizes (8
+  and 12 even, 5 and 7 in a long and a short shard);
+* the 1-D mesh of 4 ranks: an all-pairs covering set over the inputs and the size, so
+  every placement of every input meets both sizes (the uneven one with an empty shard: 5
+  rows on 4 ranks hold 2, 2, 1, 0) and every pair of placements of two inputs meets more
+  than two ranks;
 * the 2x2 mesh: an all-pairs covering set over the (input, mesh dim) factors, so every 2-D
   placement of every input, and every pair of placements of two inputs (on the same or on
-  different mesh dims), appears in some layout; ``--full`` adds the full product.
+  different mesh dims), appears in some layout, leaving out the layouts whose placements on
+  one mesh dim are all Replicate (the 1-D layout on a 2-rank sub-mesh, which the 2-rank
+  product runs).
+
+``--full`` adds the full product on 4 ranks and on the 2x2 mesh.
 
 Each rank compares its own local shards of the outputs and input gradients with the shards
 of the single-device results (no gather in the check, and every replica is checked);
@@ -77,6 +86,33 @@ def all_pairs(options: Sequence[Sequence[Any]]) -> list[tuple[Any, ...]]:
     return rows
 
 
+def covering_pairs(
+    options: Sequence[Sequence[Any]], avoid: Sequence[Sequence[int]] = ()
+) -> list[tuple[Any, ...]]:
+    """An all-pairs covering set, smaller than :func:`all_pairs`'s: every value of every
+    factor appears with every value of every other factor in some row, and no row takes
+    value 0 on every factor of a group in ``avoid`` (pairs that would force that are left
+    out). Deterministic greedy: the first uncovered pair, completed to the row that covers
+    the most uncovered pairs (the first such row)."""
+    n = len(options)
+
+    def allowed(row: Sequence[int]) -> bool:
+        return not any(all(row[k] == 0 for k in group) for group in avoid)
+
+    def pairs(row: Sequence[int]) -> set[tuple[int, int, int, int]]:
+        return {(p, row[p], q, row[q]) for p, q in itertools.combinations(range(n), 2)}
+
+    every = [row for row in itertools.product(*(range(len(o)) for o in options)) if allowed(row)]
+    covers = [pairs(row) for row in every]
+    uncovered = set().union(*covers)
+    rows = []
+    while uncovered:
+        best = max(range(len(every)), key=lambda r: len(covers[r] & uncovered))
+        uncovered -= covers[best]
+        rows.append(tuple(options[k][c] for k, c in enumerate(every[best])))
+    return rows
+
+
 def layouts(case: OpCase, inputs: Sequence[torch.Tensor], mesh_ndim: int) -> list[Layout]:
     """Every placement combination of the inputs (one shared combination for ``shared``);
     above ``FULL_PRODUCT_LIMIT`` combinations (ops of three or four inputs on the 2x2 mesh),
@@ -92,18 +128,38 @@ def layouts(case: OpCase, inputs: Sequence[torch.Tensor], mesh_ndim: int) -> lis
     return list(itertools.product(*per_input))
 
 
-def pairwise_layouts(case: OpCase, inputs: Sequence[torch.Tensor], mesh_ndim: int) -> list[Layout]:
-    """An all-pairs covering set over the (input, mesh dim) factors: every placement of every
-    input on every mesh dim appears with every placement of every other factor in some
-    layout. On a 1-D mesh (and for ``shared`` inputs) that is :func:`layouts` itself."""
-    if mesh_ndim == 1 or case.shared:
-        return layouts(case, inputs, mesh_ndim)
+def _sub_mesh_1d(layout: Layout) -> bool:
+    """Whether every input is Replicate on some one mesh dim of a 2-D layout: the 1-D
+    layout of the other mesh dim on a 2-rank sub-mesh."""
+    return any(all(isinstance(pl[m], Replicate) for pl in layout) for m in range(len(layout[0])))
+
+
+Size = tuple[int, int]
+
+
+def pairwise_layouts(case: OpCase, mesh: MeshKey) -> list[tuple[Size, Layout]]:
+    """The default (size, layout) runs of ``case`` on ``mesh`` (see the module docstring):
+    both sizes of every combination on 2 ranks; on other 1-D meshes, all pairs of the
+    inputs and the size (each input placement on both sizes); on a 2-D mesh, per size, all
+    pairs of (input, mesh dim) factors without the 2-rank sub-mesh layouts (``_sub_mesh_1d``).
+    ``shared`` inputs take every placement on both sizes, less the sub-mesh ones on 2-D."""
+    ndim = mesh_ndim(mesh)
+    inputs = make_inputs(case, EVEN)
     opts = [_options(t, i in case.partial) for i, t in enumerate(inputs)]
-    rows = all_pairs([o for o in opts for _ in range(mesh_ndim)])
-    return [
-        tuple(tuple(row[i * mesh_ndim : (i + 1) * mesh_ndim]) for i in range(len(inputs)))
-        for row in rows
+    if case.shared or (ndim == 1 and tuple(mesh) == (2,)):
+        every = layouts(case, inputs, ndim)
+        runs = [lay for lay in every if ndim == 1 or not _sub_mesh_1d(lay)]
+        return [(size, lay) for size in (EVEN, UNEVEN) for lay in runs]
+    if ndim == 1:
+        rows = covering_pairs([*opts, [EVEN, UNEVEN]])
+        return sorted(((row[-1], tuple((p,) for p in row[:-1])) for row in rows), key=str)
+    factors = [o for o in opts for _ in range(ndim)]  # (input, mesh dim), input-major
+    avoid = [[i * ndim + m for i in range(len(inputs))] for m in range(ndim)]
+    rows = covering_pairs(factors, avoid)
+    by_input = [
+        tuple(tuple(r[i * ndim : (i + 1) * ndim]) for i in range(len(inputs))) for r in rows
     ]
+    return [(size, lay) for size in (EVEN, UNEVEN) for lay in by_input]
 
 
 def make_inputs(case: OpCase, size: tuple[int, int]) -> tuple[torch.Tensor, ...]:
@@ -243,19 +299,28 @@ def check_layout(
     return forward, backward
 
 
+def _runs(case: OpCase, mesh: MeshKey, full: bool) -> list[tuple[Size, Layout]]:
+    """``pairwise_layouts``, or with ``full`` every combination (``layouts``) on both sizes."""
+    if mesh_ndim(mesh) == 2 and not case.mesh_2d:
+        return []
+    if not full:
+        return pairwise_layouts(case, mesh)
+    return [
+        (size, lay)
+        for size in (EVEN, UNEVEN)
+        for lay in layouts(case, make_inputs(case, size), mesh_ndim(mesh))
+    ]
+
+
 def fuzz(
     name: str, mesh_shapes: Sequence[tuple[int, ...]], full: bool = False
 ) -> tuple[int, list[str]]:
-    """Run ``name`` on the layouts of every mesh and size (``pairwise_layouts``, or with
-    ``full`` every combination: ``layouts``); (cases run, this rank's failures)."""
+    """Run ``name`` on the runs of every mesh (``_runs``); (cases run, this rank's failures)."""
     case = BY_NAME[name]
-    pick = layouts if full else pairwise_layouts
     ran, failures = 0, []
     with vescale.dtensor.explicit_redistribute(False):
-        for mesh_shape, size in itertools.product(mesh_shapes, (EVEN, UNEVEN)):
-            if len(mesh_shape) == 2 and not case.mesh_2d:
-                continue
-            for layout in pick(case, make_inputs(case, size), len(mesh_shape)):
+        for mesh_shape in mesh_shapes:
+            for size, layout in _runs(case, mesh_shape, full):
                 ran += 1
                 try:
                     check_layout(case, size, mesh_shape, layout)
@@ -266,13 +331,7 @@ def fuzz(
 
 
 def layout_count(name: str, mesh_shapes: Sequence[tuple[int, ...]], full: bool = False) -> int:
-    case = BY_NAME[name]
-    pick = layouts if full else pairwise_layouts
-    return sum(
-        len(pick(case, make_inputs(case, size), len(mesh)))
-        for mesh, size in itertools.product(mesh_shapes, (EVEN, UNEVEN))
-        if len(mesh) == 1 or case.mesh_2d
-    )
+    return sum(len(_runs(BY_NAME[name], mesh, full)) for mesh in mesh_shapes)
 
 
 def _verdict(name: str, results: Sequence[Sequence[tuple[int, list[str]]]], want: int) -> None:
@@ -289,18 +348,58 @@ ALL_NAMES = [c.name for c in (*CASES, *EXTRA_CASES)]
 
 @pytest.mark.parametrize("name", ALL_NAMES)
 def test_op_on_every_placement(pool2, pool4, name):
-    """Every combination on 1-D meshes, all pairs of (input, mesh dim) factors on 2x2."""
+    """Every combination on 2 ranks, all pairs of inputs on 4, all pairs of (input, mesh
+    dim) factors on 2x2 (``pairwise_layouts``)."""
     r2 = pool2.submit(fuzz, name, [(2,)], timeout_s=900)  # both pools at once
     r4 = pool4.run(fuzz, name, [(4,), (2, 2)], timeout_s=900)
     _verdict(name, [r2(), r4], layout_count(name, [(2,), (4,), (2, 2)]))
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("name", [n for n in ALL_NAMES if BY_NAME[n].mesh_2d])
-def test_op_on_every_placement_combination_2x2(pool4, name):
-    """The full product on the 2x2 mesh (all-pairs above FULL_PRODUCT_LIMIT)."""
-    results = pool4.run(fuzz, name, [(2, 2)], True, timeout_s=3600)
-    _verdict(name, [results], layout_count(name, [(2, 2)], full=True))
+@pytest.mark.parametrize("name", ALL_NAMES)
+def test_op_on_every_placement_combination(pool4, name):
+    """The full product on 4 ranks and on the 2x2 mesh (all-pairs above FULL_PRODUCT_LIMIT)."""
+    results = pool4.run(fuzz, name, [(4,), (2, 2)], True, timeout_s=3600)
+    _verdict(name, [results], layout_count(name, [(4,), (2, 2)], full=True))
+
+
+def _covered(runs: Sequence[tuple[Size, Layout]], ndim: int) -> set[tuple[Any, ...]]:
+    """The (factor, value) pairs the runs cover; factors: the size and (input, mesh dim)."""
+    out = set()
+    for size, layout in runs:
+        row = [
+            ("size", size),
+            *(((i, m), pl[m]) for i, pl in enumerate(layout) for m in range(ndim)),
+        ]
+        out |= {frozenset(pair) for pair in itertools.combinations(row, 2)}
+    return out
+
+
+@pytest.mark.parametrize("name", [c.name for c in (*CASES, *EXTRA_CASES) if not c.shared])
+def test_default_layouts_cover_every_pair(name):
+    """The default runs hold what the module docstring promises, checked against the full
+    product: on 4 ranks every pair of (input placement, input placement or size); on 2x2,
+    per size, every pair of (input, mesh dim) placements that some layout without a 2-rank
+    sub-mesh (all Replicate on a mesh dim) holds, and no such layout."""
+    case = BY_NAME[name]
+    product = [
+        (s, lay)
+        for s in (EVEN, UNEVEN)
+        for lay in itertools.product(
+            *(
+                [(p,) for p in _options(t, i in case.partial)]
+                for i, t in enumerate(make_inputs(case, EVEN))
+            )
+        )
+    ]
+    assert _covered(pairwise_layouts(case, (4,)), 1) >= _covered(product, 1)
+    if case.mesh_2d:
+        runs = pairwise_layouts(case, (2, 2))
+        assert not any(_sub_mesh_1d(lay) for _, lay in runs)
+        for size in (EVEN, UNEVEN):
+            full = [r for r in _runs(case, (2, 2), True) if r[0] == size and not _sub_mesh_1d(r[1])]
+            mine = [r for r in runs if r[0] == size]
+            assert _covered(mine, 2) >= _covered(full, 2), size
 
 
 def _alias_off_on_rank_1(x: Any) -> Any:
@@ -341,16 +440,16 @@ if __name__ == "__main__":  # the case count per op: python -m tests.dtensor.tes
     total, full, meta = 0, 0, 0
     for c in (*CASES, *EXTRA_CASES):
         counts = [layout_count(c.name, [m]) for m in ((2,), (4,), (2, 2))]
-        full_2d = layout_count(c.name, [(2, 2)], full=True)
+        full_more = layout_count(c.name, [(4,), (2, 2)], full=True) - sum(counts[1:])
         on_meta = sum(
             len(_meta_layouts(c, c.make(*size, torch.Generator().manual_seed(0))))
             for size in (EVEN, UNEVEN)
             if c.name not in META_NOT_APPLICABLE
         )
-        total, full, meta = total + sum(counts), full + full_2d, meta + on_meta
+        total, full, meta = total + sum(counts), full + full_more, meta + on_meta
         print(
             f"{c.name:26s} 1-D x2 {counts[0]:4d}  1-D x4 {counts[1]:4d}  2x2 {counts[2]:4d}"
-            f"  meta x4 {on_meta:3d}  (--full: {full_2d:4d})"
+            f"  meta x4 {on_meta:3d}  (--full adds {full_more:4d})"
         )
     print(f"{'total':26s} {total}  meta mesh {meta} (test_crashes)  (--full adds {full})")
 
