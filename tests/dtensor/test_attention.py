@@ -11,7 +11,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import vescale
-from tests.dtensor.reference import mesh_of
+from tests.dtensor.reference import compared, local_dtensor, mesh_of
 from vescale import Partial, Replicate, Shard
 
 B, H, T, E = 4, 4, 6, 8
@@ -39,7 +39,6 @@ def _mask(kind):
 
 
 def _check_sdpa(mesh_shape, qk_pl, v_pl, out_pl, mask_kind):
-    mesh = mesh_of(mesh_shape)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, H, T, E, generator=g, dtype=torch.float64) for _ in range(3))
     grad = torch.randn(B, H, T, E, generator=g, dtype=torch.float64)
@@ -49,26 +48,24 @@ def _check_sdpa(mesh_shape, qk_pl, v_pl, out_pl, mask_kind):
     ref = F.scaled_dot_product_attention(*ref_in, attn_mask=mask, is_causal=causal)
     ref.backward(grad)
 
-    dq, dk = (vescale.distribute_tensor(t, mesh, qk_pl).requires_grad_(True) for t in (q, k))
-    dv = vescale.distribute_tensor(v, mesh, v_pl).requires_grad_(True)
+    dq, dk = (local_dtensor(t, mesh_shape, qk_pl).requires_grad_(True) for t in (q, k))
+    dv = local_dtensor(v, mesh_shape, v_pl).requires_grad_(True)
     dmask = None
     if mask is not None:
         mask_pl = [p if mask.ndim == 4 and isinstance(p, Shard) else Replicate() for p in qk_pl]
-        dmask = vescale.distribute_tensor(mask, mesh, mask_pl)
-    dgrad = vescale.distribute_tensor(
-        grad, mesh, [Replicate() if p.is_partial() else p for p in out_pl]
-    )
+        dmask = local_dtensor(mask, mesh_shape, mask_pl)
+    dgrad = local_dtensor(grad, mesh_shape, [Replicate() if p.is_partial() else p for p in out_pl])
     with CommDebugMode() as comm:
         out = F.scaled_dot_product_attention(dq, dk, dv, attn_mask=dmask, is_causal=causal)
         assert tuple(out.placements) == out_pl, out.placements
         if not any(p.is_partial() for p in v_pl):
             out.backward(dgrad)
     assert comm.get_total_counts() == 0, comm.get_comm_counts()
-    torch.testing.assert_close(out.full_tensor(), ref.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(*compared(out, ref.detach()), rtol=1e-10, atol=1e-10)
     if not any(p.is_partial() for p in v_pl):
         for d, r in zip((dq, dk, dv), ref_in):
             assert tuple(d.grad.placements) == tuple(d.placements)
-            torch.testing.assert_close(d.grad.full_tensor(), r.grad, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(*compared(d.grad, r.grad), rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("mask_kind", MASKS)
@@ -110,7 +107,6 @@ def _math_mask(kind, g):
 def _check_sdpa_math(placement, kind, dropout_p):
     """Math SDPA forward and backward on 2 ranks equal one device (float64, same seed for
     dropout), with no collective for batch- and head-sharded or replicated inputs."""
-    mesh = mesh_of((2,))
     g = torch.Generator().manual_seed(3)
     q, k, v, grad = (torch.randn(MB, MH, ML, ME, generator=g, dtype=torch.float64) for _ in "qkvg")
     mask = _math_mask(kind, g)
@@ -122,12 +118,12 @@ def _check_sdpa_math(placement, kind, dropout_p):
             *ref_in, attn_mask=mask, dropout_p=dropout_p, is_causal=causal
         )
     ref.backward(grad)
-    d_in = [vescale.distribute_tensor(t, mesh, [placement]).requires_grad_(True) for t in (q, k, v)]
+    d_in = [local_dtensor(t, (2,), [placement]).requires_grad_(True) for t in (q, k, v)]
     dmask = None
     if mask is not None:
         mask_pl = placement if mask.ndim == 4 else Replicate()
-        dmask = vescale.distribute_tensor(mask, mesh, [mask_pl])
-    dgrad = vescale.distribute_tensor(grad, mesh, [placement])
+        dmask = local_dtensor(mask, (2,), [mask_pl])
+    dgrad = local_dtensor(grad, (2,), [placement])
     torch.manual_seed(11)
     with CommDebugMode() as comm, sdpa_kernel(SDPBackend.MATH):
         out = F.scaled_dot_product_attention(
@@ -136,10 +132,10 @@ def _check_sdpa_math(placement, kind, dropout_p):
         out.backward(dgrad)
     assert comm.get_total_counts() == 0, comm.get_comm_counts()
     assert tuple(out.placements) == (placement,), out.placements
-    torch.testing.assert_close(out.full_tensor(), ref.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(*compared(out, ref.detach()), rtol=1e-10, atol=1e-10)
     for d, r in zip(d_in, ref_in):
         assert tuple(d.grad.placements) == (placement,)
-        torch.testing.assert_close(d.grad.full_tensor(), r.grad, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(*compared(d.grad, r.grad), rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("kind", MATH_MASKS)
