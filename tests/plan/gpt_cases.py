@@ -25,8 +25,10 @@ GPT_PLAN: dict[str, Any] = {
 BATCH = {"dp": Shard(0)}
 # A vocabulary large enough that the vocabulary-parallel loss beats gathering the logits
 # under the cost model below (with 64 classes one 8 KiB all-gather is cheaper than three
-# latency-bound all-reduces, and the solver says so).
-CFG = __import__("gpt").GPTConfig(vocab=1024)
+# latency-bound all-reduces, and the solver says so). One block: a second adds graph of the
+# same ops and plan patterns (capture, propagation, solve and compile time about doubled);
+# tests/plan/test_gpt_plan.py runs the two-block model with ``pytest --full``.
+CFG = __import__("gpt").GPTConfig(vocab=1024, layers=1)
 # Fixed costs (20 us, 1 GB/s, 10 GB/s compute) so the choice does not depend on this machine's load.
 ALPHA_BETA = AlphaBeta((20e-6, 20e-6), (1e-9, 1e-9), 1e-10)
 

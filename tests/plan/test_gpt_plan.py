@@ -2,9 +2,12 @@
 gloo mesh, with a plan naming only the linear weights, the embeddings, the head and the batch:
 training equals one device, the chosen placements equal the hand-written model's, and a step
 issues no more collectives and bytes than the hand-written model (DDP) does. The eager
-claims share one placed model (placing the GPT is most of their cost)."""
+claims share one placed model (placing the GPT is most of their cost). One block by default
+(``CFG``); two (a block feeding a block) with ``pytest --full``."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -15,15 +18,17 @@ from tests.plan.gpt_cases import ALPHA_BETA, BATCH, CFG, GPT_PLAN, gpt_mesh, tra
 from vescale.plan import PlannedModule
 
 
-def _trained_like_one_device(compile: bool) -> PlannedModule:
-    """The placed GPT after 3 SGD steps, checked against one device."""
+def _trained_like_one_device(compile: bool, layers: int = CFG.layers) -> PlannedModule:
+    """The placed GPT (``CFG`` with ``layers`` blocks) after 3 SGD steps, checked against
+    one device."""
     import gpt
 
     torch._dynamo.reset()
-    batches = [gpt.batch(CFG, i) for i in range(3)]
-    ref_losses, ref_params = train(gpt.build(CFG), batches)
+    cfg = dataclasses.replace(CFG, layers=layers)
+    batches = [gpt.batch(cfg, i) for i in range(3)]
+    ref_losses, ref_params = train(gpt.build(cfg), batches)
     # eager: a deferred model (parameters materialized shard-only); compiled: an eager one
-    built = gpt.build(CFG) if compile else gpt.build_deferred(CFG)
+    built = gpt.build(cfg) if compile else gpt.build_deferred(cfg)
     model = vescale.parallelize(
         built,
         gpt_mesh(),
@@ -35,14 +40,14 @@ def _trained_like_one_device(compile: bool) -> PlannedModule:
         options={"codegen": "fx", "strict": True},
     )
     losses, params = train(model, batches)
-    initial = dict(gpt.build(CFG).named_parameters())
+    initial = dict(gpt.build(cfg).named_parameters())
     assert not torch.equal(ref_params["head.weight"], initial["head.weight"])  # it trains
     assert all(abs(a - b) < 1e-5 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
     assert params.keys() == ref_params.keys()
     for k, v in params.items():
         torch.testing.assert_close(v, ref_params[k], atol=1e-5, rtol=0, msg=k)
     # the cross-check of the two paths: every parameter placed as gpt.parallelize places it
-    hand = gpt.parallelize(gpt.build(CFG), gpt_mesh())
+    hand = gpt.parallelize(gpt.build(cfg), gpt_mesh())
     chosen = model.program.param_placements()
     for name, p in hand.named_parameters():
         assert tuple(p.placements) == chosen[name], (name, p.placements, chosen[name])
@@ -52,8 +57,8 @@ def _trained_like_one_device(compile: bool) -> PlannedModule:
     return model
 
 
-def _check_trains_like_one_device(compile: bool) -> None:
-    _trained_like_one_device(compile)
+def _check_trains_like_one_device(compile: bool, layers: int = CFG.layers) -> None:
+    _trained_like_one_device(compile, layers)
 
 
 def _check_eager() -> tuple[dict, dict]:
@@ -74,6 +79,12 @@ def test_plan_gpt_trains_like_one_device_eager(eager_plan):
 
 def test_plan_gpt_trains_like_one_device_compiled(pool4):
     pool4.run(_check_trains_like_one_device, True, timeout_s=600)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_plan_gpt_two_blocks_trains_like_one_device(pool4, compile):
+    pool4.run(_check_trains_like_one_device, compile, 2, timeout_s=1200)
 
 
 def _check_no_more_communication_than_hand_written(model: PlannedModule) -> tuple[dict, dict]:
