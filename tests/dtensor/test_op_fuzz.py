@@ -8,11 +8,14 @@ uneven sizes, forward and backward, against single-device torch in float64:
   every placement of every input meets both sizes (the uneven one with an empty shard: 5
   rows on 4 ranks hold 2, 2, 1, 0) and every pair of placements of two inputs meets more
   than two ranks;
-* the 2x2 mesh: an all-pairs covering set over the (input, mesh dim) factors, so every 2-D
-  placement of every input, and every pair of placements of two inputs (on the same or on
-  different mesh dims), appears in some layout, leaving out the layouts whose placements on
-  one mesh dim are all Replicate (the 1-D layout on a 2-rank sub-mesh, which the 2-rank
-  product runs).
+* the 2x2 mesh, leaving out the layouts whose placements on one mesh dim are all Replicate
+  (the 1-D layout on a 2-rank sub-mesh, which the 2-rank product runs): on the uneven size,
+  an all-pairs covering set over the (input, mesh dim) factors, so every 2-D placement of
+  every input, and every pair of placements of two inputs (on the same or on different
+  mesh dims), appears in some layout; on the even size, each placement of each (input,
+  mesh dim) factor in some layout (the uneven layouts take every path the even ones take
+  but the even shards' own: no padding, no empty shard, which depend on each placement
+  alone).
 
 ``--full`` adds the full product on 4 ranks and on the 2x2 mesh.
 
@@ -86,24 +89,24 @@ def all_pairs(options: Sequence[Sequence[Any]]) -> list[tuple[Any, ...]]:
     return rows
 
 
-def covering_pairs(
-    options: Sequence[Sequence[Any]], avoid: Sequence[Sequence[int]] = ()
+def covering(
+    options: Sequence[Sequence[Any]], strength: int = 2, avoid: Sequence[Sequence[int]] = ()
 ) -> list[tuple[Any, ...]]:
-    """An all-pairs covering set, smaller than :func:`all_pairs`'s: every value of every
-    factor appears with every value of every other factor in some row, and no row takes
-    value 0 on every factor of a group in ``avoid`` (pairs that would force that are left
-    out). Deterministic greedy: the first uncovered pair, completed to the row that covers
-    the most uncovered pairs (the first such row)."""
+    """A covering set of rows: every combination of values of every ``strength`` factors
+    (2: all pairs; 1: each value of each factor) appears in some row, and no row takes
+    value 0 on every factor of a group in ``avoid`` (combinations that would force that are
+    left out). Deterministic greedy: the row that covers the most uncovered combinations
+    (the first such row), until every one is covered."""
     n = len(options)
 
     def allowed(row: Sequence[int]) -> bool:
         return not any(all(row[k] == 0 for k in group) for group in avoid)
 
-    def pairs(row: Sequence[int]) -> set[tuple[int, int, int, int]]:
-        return {(p, row[p], q, row[q]) for p, q in itertools.combinations(range(n), 2)}
+    def parts(row: Sequence[int]) -> set[tuple[tuple[int, int], ...]]:
+        return {tuple((k, row[k]) for k in ks) for ks in itertools.combinations(range(n), strength)}
 
     every = [row for row in itertools.product(*(range(len(o)) for o in options)) if allowed(row)]
-    covers = [pairs(row) for row in every]
+    covers = [parts(row) for row in every]
     uncovered = set().union(*covers)
     rows = []
     while uncovered:
@@ -139,27 +142,29 @@ Size = tuple[int, int]
 
 def pairwise_layouts(case: OpCase, mesh: MeshKey) -> list[tuple[Size, Layout]]:
     """The default (size, layout) runs of ``case`` on ``mesh`` (see the module docstring):
-    both sizes of every combination on 2 ranks; on other 1-D meshes, all pairs of the
-    inputs and the size (each input placement on both sizes); on a 2-D mesh, per size, all
-    pairs of (input, mesh dim) factors without the 2-rank sub-mesh layouts (``_sub_mesh_1d``).
-    ``shared`` inputs take every placement on both sizes, less the sub-mesh ones on 2-D."""
+    both sizes of every combination on 2 ranks (and of every shared placement on 1-D); on
+    other 1-D meshes, all pairs of the inputs and the size; on a 2-D mesh, without the
+    2-rank sub-mesh layouts (``_sub_mesh_1d``), all pairs of the (input, mesh dim) factors
+    on the uneven size and each placement of each factor on the even size (``shared``
+    inputs count as one)."""
     ndim = mesh_ndim(mesh)
     inputs = make_inputs(case, EVEN)
+    if ndim == 1 and (tuple(mesh) == (2,) or case.shared):
+        every = layouts(case, inputs, 1)
+        return [(size, lay) for size in (EVEN, UNEVEN) for lay in every]
     opts = [_options(t, i in case.partial) for i, t in enumerate(inputs)]
-    if case.shared or (ndim == 1 and tuple(mesh) == (2,)):
-        every = layouts(case, inputs, ndim)
-        runs = [lay for lay in every if ndim == 1 or not _sub_mesh_1d(lay)]
-        return [(size, lay) for size in (EVEN, UNEVEN) for lay in runs]
     if ndim == 1:
-        rows = covering_pairs([*opts, [EVEN, UNEVEN]])
+        rows = covering([*opts, [EVEN, UNEVEN]])
         return sorted(((row[-1], tuple((p,) for p in row[:-1])) for row in rows), key=str)
-    factors = [o for o in opts for _ in range(ndim)]  # (input, mesh dim), input-major
-    avoid = [[i * ndim + m for i in range(len(inputs))] for m in range(ndim)]
-    rows = covering_pairs(factors, avoid)
-    by_input = [
-        tuple(tuple(r[i * ndim : (i + 1) * ndim]) for i in range(len(inputs))) for r in rows
-    ]
-    return [(size, lay) for size in (EVEN, UNEVEN) for lay in by_input]
+    n = 1 if case.shared else len(inputs)
+    factors = [o for o in opts[:n] for _ in range(ndim)]  # (input, mesh dim), input-major
+    avoid = [[i * ndim + m for i in range(n)] for m in range(ndim)]
+    runs = []
+    for size, strength in ((EVEN, 1), (UNEVEN, 2)):
+        for r in covering(factors, strength, avoid):
+            lay = tuple(tuple(r[i * ndim : (i + 1) * ndim]) for i in range(n))
+            runs.append((size, lay * len(inputs) if case.shared else lay))
+    return runs
 
 
 def make_inputs(case: OpCase, size: tuple[int, int]) -> tuple[torch.Tensor, ...]:
@@ -363,43 +368,33 @@ def test_op_on_every_placement_combination(pool4, name):
     _verdict(name, [results], layout_count(name, [(4,), (2, 2)], full=True))
 
 
-def _covered(runs: Sequence[tuple[Size, Layout]], ndim: int) -> set[tuple[Any, ...]]:
-    """The (factor, value) pairs the runs cover; factors: the size and (input, mesh dim)."""
+def _covered(runs: Sequence[tuple[Size, Layout]], ndim: int, strength: int) -> set[Any]:
+    """The combinations of ``strength`` (factor, value)s the runs hold; factors: the size
+    and each (input, mesh dim)."""
     out = set()
     for size, layout in runs:
-        row = [
-            ("size", size),
-            *(((i, m), pl[m]) for i, pl in enumerate(layout) for m in range(ndim)),
-        ]
-        out |= {frozenset(pair) for pair in itertools.combinations(row, 2)}
+        row = [("size", size), *(((i, m), p[m]) for i, p in enumerate(layout) for m in range(ndim))]
+        out |= {frozenset(c) for c in itertools.combinations(row, strength)}
     return out
 
 
-@pytest.mark.parametrize("name", [c.name for c in (*CASES, *EXTRA_CASES) if not c.shared])
-def test_default_layouts_cover_every_pair(name):
-    """The default runs hold what the module docstring promises, checked against the full
-    product: on 4 ranks every pair of (input placement, input placement or size); on 2x2,
-    per size, every pair of (input, mesh dim) placements that some layout without a 2-rank
-    sub-mesh (all Replicate on a mesh dim) holds, and no such layout."""
+@pytest.mark.parametrize("name", ALL_NAMES)
+def test_default_layouts_cover_what_they_promise(name):
+    """The default runs (``pairwise_layouts``) against the full product (``layouts``): on 4
+    ranks every pair of (input placement, input placement or size); on 2x2 no 2-rank
+    sub-mesh layout, and every pair (uneven size) and every single (even size) of (input,
+    mesh dim) placements that a layout without a 2-rank sub-mesh holds."""
     case = BY_NAME[name]
-    product = [
-        (s, lay)
-        for s in (EVEN, UNEVEN)
-        for lay in itertools.product(
-            *(
-                [(p,) for p in _options(t, i in case.partial)]
-                for i, t in enumerate(make_inputs(case, EVEN))
-            )
-        )
-    ]
-    assert _covered(pairwise_layouts(case, (4,)), 1) >= _covered(product, 1)
+    assert _covered(pairwise_layouts(case, (4,)), 1, 2) >= _covered(_runs(case, (4,), True), 1, 2)
     if case.mesh_2d:
         runs = pairwise_layouts(case, (2, 2))
         assert not any(_sub_mesh_1d(lay) for _, lay in runs)
-        for size in (EVEN, UNEVEN):
-            full = [r for r in _runs(case, (2, 2), True) if r[0] == size and not _sub_mesh_1d(r[1])]
+        for size, strength in ((EVEN, 1), (UNEVEN, 2)):
+            every = [
+                r for r in _runs(case, (2, 2), True) if r[0] == size and not _sub_mesh_1d(r[1])
+            ]
             mine = [r for r in runs if r[0] == size]
-            assert _covered(mine, 2) >= _covered(full, 2), size
+            assert _covered(mine, 2, strength) >= _covered(every, 2, strength), size
 
 
 def _alias_off_on_rank_1(x: Any) -> Any:
