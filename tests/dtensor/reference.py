@@ -124,4 +124,3 @@ def layout_pairs(
         ((choices[a], choices[b]), (choices[c], choices[(a + b + c) % n]))
         for a, b, c in itertools.product(range(n), repeat=3)
     ]
-
