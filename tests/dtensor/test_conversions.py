@@ -239,6 +239,18 @@ def test_redistribute_every_pair(world, mesh_shape, request):
     _redistribute_pairs(world, mesh_shape, request, full=False)
 
 
+def test_default_2x2_pairs_cover_every_triple():
+    """The promise of reference.layout_pairs that the 2x2 defaults rest on: any three of
+    (src[0], src[1], dst[0], dst[1]) take every combination of choices; --full is the product."""
+    choices = [*BASIC, Partial("max")]
+    rows = [(*src, *dst) for src, dst in layout_pairs(choices, 2, full=False)]
+    for factors in itertools.combinations(range(4), 3):
+        seen = {tuple(repr(r[f]) for f in factors) for r in rows}
+        assert len(seen) == len(choices) ** 3, factors
+    full = layout_pairs(choices, 2, full=True)
+    assert len(set(map(repr, full))) == len(choices) ** 4
+
+
 @pytest.mark.full
 def test_redistribute_every_pair_2x2_full_product(request):
     """All 256 pairs on 2x2 (nightly-style)."""
