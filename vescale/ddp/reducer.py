@@ -70,7 +70,8 @@ class Reducer:
             if tuple(grad.placements) != tuple(p.placements):
                 p.grad = redistribute_dtensor(grad, placements=p.placements, async_op=False)
             return
-        key = (id(grad.device_mesh), dims, ops.pop(), grad.dtype)
+        # the mesh by value: a cached sharding can hand a gradient an equal, other mesh object
+        key = (grad.device_mesh, dims, ops.pop(), grad.dtype)
         bucket = self.open.setdefault(key, _Bucket(grad.device_mesh, dims, key[2]))
         bucket.params.append(p)
         bucket.nbytes += grad._local_tensor.numel() * grad._local_tensor.element_size()
