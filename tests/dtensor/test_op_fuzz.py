@@ -2,8 +2,9 @@
 placements of its inputs (Replicate, Shard on each dim, Partial for float data), on even and
 uneven sizes, forward and backward, against single-device torch in float64:
 
-* the 1-D mesh of 2 ranks: every placement combination of the inputs, on both sizes (8
-  and 12 even, 5 and 7 in a long and a short shard);
+* the 1-D mesh of 2 ranks: every placement combination of the inputs on the uneven size (5
+  and 7: a long and a short shard), all pairs of input placements on the even size (8 and
+  12; as on 2x2 below, its own paths depend on each placement alone);
 * the 1-D mesh of 4 ranks: an all-pairs covering set over the inputs and the size, so
   every placement of every input meets both sizes (the uneven one with an empty shard: 5
   rows on 4 ranks hold 2, 2, 1, 0) and every pair of placements of two inputs meets more
@@ -17,7 +18,7 @@ uneven sizes, forward and backward, against single-device torch in float64:
   but the even shards' own: no padding, no empty shard, which depend on each placement
   alone).
 
-``--full`` adds the full product on 4 ranks and on the 2x2 mesh.
+``--full`` runs the full products on 2 and 4 ranks and on the 2x2 mesh.
 
 Each rank compares its own local shards of the outputs and input gradients with the shards
 of the single-device results (no gather in the check, and every replica is checked);
@@ -98,6 +99,7 @@ def covering(
     left out). Deterministic greedy: the row that covers the most uncovered combinations
     (the first such row), until every one is covered."""
     n = len(options)
+    strength = min(strength, n)
 
     def allowed(row: Sequence[int]) -> bool:
         return not any(all(row[k] == 0 for k in group) for group in avoid)
@@ -142,17 +144,20 @@ Size = tuple[int, int]
 
 def pairwise_layouts(case: OpCase, mesh: MeshKey) -> list[tuple[Size, Layout]]:
     """The default (size, layout) runs of ``case`` on ``mesh`` (see the module docstring):
-    both sizes of every combination on 2 ranks (and of every shared placement on 1-D); on
-    other 1-D meshes, all pairs of the inputs and the size; on a 2-D mesh, without the
+    on 2 ranks every combination on the uneven size and all pairs of the inputs on the even
+    one; both sizes of every shared placement on 1-D; on other 1-D meshes, all pairs of the
+    inputs and the size; on a 2-D mesh, without the
     2-rank sub-mesh layouts (``_sub_mesh_1d``), all pairs of the (input, mesh dim) factors
     on the uneven size and each placement of each factor on the even size (``shared``
     inputs count as one)."""
     ndim = mesh_ndim(mesh)
     inputs = make_inputs(case, EVEN)
-    if ndim == 1 and (tuple(mesh) == (2,) or case.shared):
-        every = layouts(case, inputs, 1)
-        return [(size, lay) for size in (EVEN, UNEVEN) for lay in every]
+    if ndim == 1 and case.shared:
+        return [(size, lay) for size in (EVEN, UNEVEN) for lay in layouts(case, inputs, 1)]
     opts = [_options(t, i in case.partial) for i, t in enumerate(inputs)]
+    if tuple(mesh) == (2,):
+        pairs = [tuple((p,) for p in row) for row in covering(opts)]
+        return [(EVEN, lay) for lay in pairs] + [(UNEVEN, lay) for lay in layouts(case, inputs, 1)]
     if ndim == 1:
         rows = covering([*opts, [EVEN, UNEVEN]])
         return sorted(((row[-1], tuple((p,) for p in row[:-1])) for row in rows), key=str)
@@ -362,10 +367,12 @@ def test_op_on_every_placement(pool2, pool4, name):
 
 @pytest.mark.full
 @pytest.mark.parametrize("name", ALL_NAMES)
-def test_op_on_every_placement_combination(pool4, name):
-    """The full product on 4 ranks and on the 2x2 mesh (all-pairs above FULL_PRODUCT_LIMIT)."""
-    results = pool4.run(fuzz, name, [(4,), (2, 2)], True, timeout_s=3600)
-    _verdict(name, [results], layout_count(name, [(4,), (2, 2)], full=True))
+def test_op_on_every_placement_combination(pool2, pool4, name):
+    """The full product on 2 and 4 ranks and on the 2x2 mesh (all-pairs above
+    FULL_PRODUCT_LIMIT)."""
+    r2 = pool2.submit(fuzz, name, [(2,)], True, timeout_s=3600)
+    r4 = pool4.run(fuzz, name, [(4,), (2, 2)], True, timeout_s=3600)
+    _verdict(name, [r2(), r4], layout_count(name, [(2,), (4,), (2, 2)], full=True))
 
 
 def _covered(runs: Sequence[tuple[Size, Layout]], ndim: int, strength: int) -> set[Any]:
@@ -380,12 +387,18 @@ def _covered(runs: Sequence[tuple[Size, Layout]], ndim: int, strength: int) -> s
 
 @pytest.mark.parametrize("name", ALL_NAMES)
 def test_default_layouts_cover_what_they_promise(name):
-    """The default runs (``pairwise_layouts``) against the full product (``layouts``): on 4
-    ranks every pair of (input placement, input placement or size); on 2x2 no 2-rank
+    """The default runs (``pairwise_layouts``) against the full product (``layouts``): on 2
+    ranks every combination on the uneven size; on 2 and 4 ranks every pair of (input
+    placement, input placement or size); on 2x2 no 2-rank
     sub-mesh layout, and every pair (uneven size) and every single (even size) of (input,
     mesh dim) placements that a layout without a 2-rank sub-mesh holds."""
     case = BY_NAME[name]
     assert _covered(pairwise_layouts(case, (4,)), 1, 2) >= _covered(_runs(case, (4,), True), 1, 2)
+    on_2 = pairwise_layouts(case, (2,))
+    assert [r for r in on_2 if r[0] == UNEVEN] == [
+        r for r in _runs(case, (2,), True) if r[0] == UNEVEN
+    ]
+    assert _covered(on_2, 1, 2) >= _covered(_runs(case, (2,), True), 1, 2)
     if case.mesh_2d:
         runs = pairwise_layouts(case, (2, 2))
         assert not any(_sub_mesh_1d(lay) for _, lay in runs)
@@ -435,7 +448,7 @@ if __name__ == "__main__":  # the case count per op: python -m tests.dtensor.tes
     total, full, meta = 0, 0, 0
     for c in (*CASES, *EXTRA_CASES):
         counts = [layout_count(c.name, [m]) for m in ((2,), (4,), (2, 2))]
-        full_more = layout_count(c.name, [(4,), (2, 2)], full=True) - sum(counts[1:])
+        full_more = layout_count(c.name, [(2,), (4,), (2, 2)], full=True) - sum(counts)
         on_meta = sum(
             len(_meta_layouts(c, c.make(*size, torch.Generator().manual_seed(0))))
             for size in (EVEN, UNEVEN)
