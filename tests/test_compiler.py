@@ -21,6 +21,12 @@ from tests.dtensor.reference import mesh_of
 from vescale import Replicate, Shard
 from vescale.backend import BackendOptions
 
+# Inductor's first import in this process imports torch.utils.mkldnn, whose ScriptModules
+# use torch.jit.script_method: torch's own deprecation warnings, not raised by vescale code.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"
+)
+
 LAYOUT = {"w1": [Shard(0)], "b1": [Shard(0)], "w2": [Shard(1)]}
 
 
