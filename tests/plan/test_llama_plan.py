@@ -60,9 +60,12 @@ class LlamaLoss(nn.Module):
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Three batches of two sequences, one per dp rank: four would also let the batch split
+    over both mesh dims, which offers the solver ~35% more edge pairs (2.7x its CPU time per
+    rank, 15 LPs instead of 7) and exercises no other path."""
     g = torch.Generator().manual_seed(7)
     return [
-        (ids, ids.clone()) for ids in (torch.randint(0, 256, (4, 8), generator=g) for _ in range(3))
+        (ids, ids.clone()) for ids in (torch.randint(0, 256, (2, 8), generator=g) for _ in range(3))
     ]
 
 
