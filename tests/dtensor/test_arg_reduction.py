@@ -22,17 +22,28 @@ LAYOUTS = [((4,), [p]) for p in (Replicate(), Shard(0), Shard(1))] + [
 def _check(shape):
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 4, shape, generator=g).double()  # many ties: first occurrence matters
-    for (mesh_shape, placements), op, dim, keepdim in itertools.product(
-        LAYOUTS, ("argmax", "argmin"), (0, 1, -1), (False, True)
-    ):
-        d = local_dtensor(x, mesh_shape, placements)
-        with count_collectives() as counts:
-            out = getattr(d, op)(dim, keepdim=keepdim)
-        expected = getattr(x, op)(dim, keepdim=keepdim)
+
+    def run(mesh_shape, placements, op, dim, keepdim):
+        out = getattr(local_dtensor(x, mesh_shape, placements), op)(dim, keepdim=keepdim)
         case = (mesh_shape, placements, op, dim, keepdim)
-        assert equals_full(out, expected), case
-        sharded = sum(p.is_shard(dim % 2) for p in placements)
-        assert sum(counts.values()) == 2 * sharded, (case, counts)  # values + indices per mesh dim
+        assert equals_full(out, getattr(x, op)(dim, keepdim=keepdim)), case
+
+    for mesh_shape, placements in LAYOUTS:
+        cases = list(itertools.product(("argmax", "argmin"), (0, 1, -1), (False, True)))
+        local = [c for c in cases if not any(p.is_shard(c[1] % 2) for p in placements)]
+        with count_collectives() as counts:  # over an unsharded dim: none, for all together
+            for c in local:
+                run(mesh_shape, placements, *c)
+        assert sum(counts.values()) == 0, (mesh_shape, placements, counts)
+        for c in [c for c in cases if c not in local]:
+            with count_collectives() as counts:
+                run(mesh_shape, placements, *c)
+            sharded = sum(p.is_shard(c[1] % 2) for p in placements)
+            case = (mesh_shape, placements, *c)
+            assert sum(counts.values()) == 2 * sharded, (
+                case,
+                counts,
+            )  # values + indices per mesh dim
 
 
 @pytest.mark.parametrize("shape", [(8, 12), (5, 7), (3, 2)])  # even; uneven; empty shards
