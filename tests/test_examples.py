@@ -23,7 +23,9 @@ def test_demo_runs_and_matches_single_device():
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         cmd += ["--nproc-per-node", "4", str(ROOT / "examples" / "train_demo.py")]
         cmd += ["--steps", "3", "--dump-dir", dumps, "--codegen", "fx"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        # the ranks import this checkout's vescale, whatever copy is installed
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
         rows = re.findall(r"^\s+(\d)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s", out.stdout, re.M)
