@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Test suite: install vescale with its test extras (CPU torch 2.13.0) and run pytest.
+# Test suite: install vescale with its test extras (CPU torch 2.13.0) and run pytest in two
+# pytest-xdist workers: one owns the worker pools (every test using pool2/pool4, grouped by
+# tests/conftest.py), the other runs the single-process and subprocess tests alongside.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q torch==2.13.0 -e '.[test]'
-OMP_NUM_THREADS=1 python -m pytest tests "$@"
+OMP_NUM_THREADS=1 python -m pytest tests -n 2 --dist loadgroup -p no:benchmark "$@"

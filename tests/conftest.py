@@ -1,6 +1,7 @@
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Inductor compiles in the compiling process: no pool of compile subprocesses (each a fresh
@@ -28,21 +29,50 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "full: exhaustive sweep, run with --full only")
+    config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs in one worker")
 
 
 def full_run(config: pytest.Config) -> bool:
     return bool(config.getoption("--full")) or os.environ.get("VESCALE_FULL_SWEEP") == "1"
 
 
+POOL_FIXTURES = ("pool2", "pool4")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``full`` are deselected (not skipped) unless ``--full``: the default
-    run reports them as deselected, never as passed."""
+    run reports them as deselected, never as passed. Under pytest-xdist (``-n 2 --dist
+    loadgroup``, as ``scripts/test.sh`` runs) every test using a worker pool is in one group,
+    so one xdist worker owns the session's pools and the other runs the single-process and
+    subprocess tests next to it."""
+    for item in items:
+        if any(name in getattr(item, "fixturenames", ()) for name in POOL_FIXTURES):
+            item.add_marker(pytest.mark.xdist_group("pools"))
     if full_run(config):
         return
     full = [item for item in items if item.get_closest_marker("full")]
     if full:
         config.hook.pytest_deselected(items=full)
         items[:] = [item for item in items if not item.get_closest_marker("full")]
+    if hasattr(config, "workeroutput"):  # an xdist worker: its controller reports the count
+        config.workeroutput["full_deselected"] = len(full)
+
+
+_deselected_by_workers: list[int] = []
+
+
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """xdist controller: collect each worker's count of tests deselected as ``full``."""
+    _deselected_by_workers.append(getattr(node, "workeroutput", {}).get("full_deselected", 0))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Under xdist the summary line has no "deselected" (each worker deselects): say it."""
+    if _deselected_by_workers and max(_deselected_by_workers):
+        terminalreporter.write_line(
+            f"{max(_deselected_by_workers)} deselected (@pytest.mark.full; run with --full)"
+        )
 
 
 @pytest.fixture(scope="session")
