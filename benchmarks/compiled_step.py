@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import os
 import statistics
 import sys
 import time
@@ -358,4 +359,6 @@ def _print(rows: dict[str, Row], mesh: vescale.DeviceMesh) -> None:
 
 
 if __name__ == "__main__":
+    # kineto logs every profiler start and stop (the collective counts) at its top level, "USDT"
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     main()
