@@ -64,9 +64,7 @@ class PlacedProgram:
         (:func:`vescale.plan.cost.bucketed_step`)."""
         if demand.bucket is None or src == dst:
             return False
-        t = _val(demand.value)
-        shape, size, mesh_shape = tuple(t.shape), t.element_size(), tuple(self.mesh.shape)
-        return bucketed_step(demand.bucket, src, dst, shape, size, mesh_shape) is not None
+        return _bucketed_step(self.mesh, demand.bucket, demand.value, src, dst) is not None
 
     def steps(self, value: Value, src: Placements, dst: Placements) -> list[CommStep]:
         return _steps(self.mesh, value, src, dst) or []
@@ -102,6 +100,13 @@ def _steps(
 ) -> list[CommStep] | None:
     t = _val(value)
     return redistribution_steps(src, dst, tuple(t.shape), t.element_size(), tuple(mesh.shape))
+
+
+def _bucketed_step(
+    mesh: DeviceMesh, bucket: str, value: Value, src: Placements, dst: Placements
+) -> CommStep | None:
+    t = _val(value)
+    return bucketed_step(bucket, src, dst, tuple(t.shape), t.element_size(), tuple(mesh.shape))
 
 
 def place(
@@ -179,8 +184,7 @@ def place(
         return (alpha_beta.gamma * held + sum(alpha_beta.time(c) for c in inside)) * 1e6
 
     def latency(bucket: str, value: Value, a: Placements, b: Placements) -> dict[Any, float]:
-        t = _val(value)
-        step = bucketed_step(bucket, a, b, tuple(t.shape), t.element_size(), tuple(mesh.shape))
+        step = _bucketed_step(mesh, bucket, value, a, b)
         if step is None:
             return {}
         return {(step.kind, step.mesh_dim): alpha_beta.alpha[step.mesh_dim] * 1e6}
