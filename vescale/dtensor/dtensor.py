@@ -23,7 +23,6 @@ check per output; upstream DTensors keep upstream's classes and behaviour.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -35,6 +34,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 from torch.distributed.tensor import distribute_tensor as _upstream_distribute_tensor
 
+from vescale._env import env_flag
 from vescale._torch_compat import (
     DTensorSpec,
     OpDispatcher,
@@ -396,7 +396,7 @@ def from_local(
             )
     if outside:  # upstream's rule: an empty local tensor, no communication
         local_tensor = local_tensor.new_empty(0, requires_grad=local_tensor.requires_grad)
-    run_check = run_check and os.environ.get("VESCALE_DISABLE_RUN_CHECK", "0") != "1"
+    run_check = run_check and not env_flag("VESCALE_DISABLE_RUN_CHECK", False)
     run_check = run_check and mesh.device_type != "meta" and not tracing and not outside
     return _FromLocal.apply(local_tensor, spec, gp, run_check)  # type: ignore[no-any-return]
 
