@@ -2,12 +2,15 @@
 
 Two lanes per graph: ``compute`` (nodes run one after another) and ``communication``
 (a collective starts when issued and the link is free). A ``wait_tensor`` stalls compute
-until its collective ends. Durations are static estimates from shapes only, identical on
-every rank: matrix products at ``FLOPS``, other ops at memory bandwidth ``MEM_BPS`` over
-their output, collectives ``LATENCY_US`` + bytes over ``LINK_BPS``. They order and size
-events for reading; they are not measurements. A collective issued before the graph (an
-input waited in it) is drawn as issued at the graph's start, sized by the tensor it delivers
-(the worst case: issued just before the graph); one the graph returns unwaited has no wait.
+until its collective ends. Durations come from the cost model of :mod:`vescale.cost`, the
+one the plan path's solver uses: an op ``op_s + max(FLOPs / flops_rate, bytes * gamma)``
+(views free), a collective ``alpha + beta * wire`` of the mesh dim whose group it uses. The
+constants are those calibrated in this process for that mesh (the plan path calibrates;
+they are agreed across ranks), else the defaults, so the timeline is identical on every rank.
+They order and size events for reading; they are not measurements. A collective issued
+before the graph (an input waited in it) is drawn as issued at the graph's start, sized by
+the tensor it delivers (the worst case: issued just before the graph); one the graph returns
+unwaited has no wait.
 """
 
 from __future__ import annotations
@@ -17,11 +20,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
+from vescale.cost.calibrate import calibrated
+from vescale.cost.model import CostModel, default_cost_model
+from vescale.dtensor.device_mesh import known_meshes
 from vescale.fx.collectives import (
     COLLECTIVE_KINDS,
     WAIT_TENSOR,
+    group_name,
     inflight_inputs,
     node_bytes,
     numel_hint,
@@ -29,28 +37,54 @@ from vescale.fx.collectives import (
 
 __all__ = ["estimate_us", "timeline", "write_schedule_json"]
 
-FLOPS = 20e9
-MEM_BPS = 10e9
-LINK_BPS = 1e9
-LATENCY_US = 30.0
-_MATMUL = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-}
+
+def _group(node: torch.fx.Node) -> tuple[CostModel, int, int]:
+    """The cost model, mesh dim and group size of a collective node's process group (a group
+    of no known mesh: the defaults over the world)."""
+    name = group_name(node)
+    for mesh in known_meshes():
+        names = list(getattr(mesh, "_dim_group_names", None) or [])
+        if name in names:
+            d = names.index(name)
+            return calibrated(mesh) or default_cost_model(mesh.ndim), d, mesh.size(d)
+    world = dist.get_world_size() if dist.is_initialized() else 2
+    return default_cost_model(1), 0, world
 
 
-def estimate_us(node: torch.fx.Node) -> float:
-    """Static duration estimate of ``node`` in microseconds."""
+def _compute_model() -> CostModel:
+    for mesh in known_meshes():
+        model = calibrated(mesh)
+        if model is not None:
+            return model
+    return default_cost_model(1)
+
+
+def estimate_us(node: torch.fx.Node, model: CostModel | None = None) -> float:
+    """Static duration estimate of ``node`` in microseconds (``model``: of its compute;
+    default: the calibrated one of a known mesh, else the defaults)."""
     if node.op != "call_function" or node.target is WAIT_TENSOR:
         return 0.0
     if node.target in COLLECTIVE_KINDS:
-        return LATENCY_US + node_bytes(node.all_input_nodes[0]) / LINK_BPS * 1e6
-    out = node.meta.get("val")
-    if node.target in _MATMUL and isinstance(out, torch.Tensor):
-        inner = optimization_hint(node.all_input_nodes[-1].meta["val"].shape[-2])
-        return 2.0 * numel_hint(out) * inner / FLOPS * 1e6
-    return node_bytes(node) / MEM_BPS * 1e6
+        comm, d, n = _group(node)
+        nbytes = node_bytes(node.all_input_nodes[0])
+        return comm.comm_s(COLLECTIVE_KINDS[node.target], (d,), n, nbytes) * 1e6
+    model = model or _compute_model()
+    inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    shapes = [_shape(a.meta["val"]) for a in inputs]
+    val = node.meta.get("val")
+    out = val[0] if isinstance(val, tuple | list) and val else val
+    out_numel = numel_hint(out) if isinstance(out, torch.Tensor) else 0
+    nbytes = sum(node_bytes(a) for a in inputs) + _out_bytes(val)
+    return model.op_time(node.target, shapes, out_numel, nbytes) * 1e6
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(optimization_hint(s)) for s in t.shape)
+
+
+def _out_bytes(val: object) -> int:
+    vals = val if isinstance(val, tuple | list) else (val,)
+    return sum(numel_hint(v) * v.element_size() for v in vals if isinstance(v, torch.Tensor))
 
 
 def timeline(gm: torch.fx.GraphModule, graph: str) -> list[dict[str, Any]]:
@@ -58,14 +92,15 @@ def timeline(gm: torch.fx.GraphModule, graph: str) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
     compute_t = comm_t = 0.0
     ends: dict[torch.fx.Node, float] = {}
+    compute = _compute_model()
     for node in inflight_inputs(gm):
-        dur = LATENCY_US + node_bytes(node) / LINK_BPS * 1e6
+        dur = (compute.alpha[0] + compute.beta[0] * node_bytes(node)) * 1e6
         events.append(
             _event(f"issued before this graph %{node.name}", comm_t, dur, graph, "communication")
         )
         comm_t = ends[node] = comm_t + dur
     for node in gm.graph.nodes:
-        dur = estimate_us(node)
+        dur = estimate_us(node, compute)
         if node.op == "call_function" and node.target in COLLECTIVE_KINDS:
             start = max(compute_t, comm_t)
             comm_t = ends[node] = start + dur

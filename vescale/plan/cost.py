@@ -1,33 +1,37 @@
-"""Communication cost of a redistribution: an alpha-beta model per mesh dim.
+"""Prices of the plan path's choices, in the one cost model of :mod:`vescale.cost`.
 
-A collective over a mesh dim of ``n`` ranks whose input holds ``B`` bytes per rank takes
-``alpha + beta * wire(kind, n, B)`` seconds, with the bytes a ring algorithm moves per rank:
-all-reduce ``2 (n-1)/n B``, all-gather ``(n-1) B``, reduce-scatter ``(n-1)/n B``. A shard moving
-to another tensor dim is priced as the all-gather (and local slice) the eager layer issues.
-``alpha`` (latency, s) and ``beta`` (s per byte) are measured per mesh dim by
-:func:`calibrate` on the actual process group (all-reduces of two sizes, the slowest rank's
-time, so every rank gets the same numbers and makes the same choice), cached per mesh shape
-and backend; a user passes :class:`AlphaBeta` values to override. Collectives the placed
-program issues together (:func:`bucketed_step`) are merged by the ``bucket`` pass, so the
-solver charges their ``alpha`` once per bucket, not once per tensor.
+A redistribution is the collectives the eager layer issues for it
+(:func:`redistribution_steps`), one :class:`CommStep` per mesh dim leaving a ``Shard`` or
+``Partial``, each priced ``alpha + beta * wire`` (a shard moving to another tensor dim: the
+all-gather and local slice the eager layer issues). Collectives the placed program issues
+together (:func:`bucketed_step`) are merged by the ``bucket`` pass, so the solver charges
+their ``alpha`` once per bucket, not once per tensor. An op's strategy costs
+:func:`strategy_compute_s`: its FLOPs split over the mesh dims its output is sharded or
+partial on (matrix products and attention) or the bytes its local inputs and outputs hold,
+at the calibrated rates, plus the per-op overhead. Without compute the cheapest program in
+communication alone is often to stop splitting work (e.g. gather the batch and run every rank
+on all of it, so no gradient needs reducing).
 
-Compute is estimated too, coarsely: ``gamma`` (s per byte, measured with an element-wise op)
-times the bytes an op's local inputs and outputs hold on one rank. Without it the cheapest
-program in communication alone is often to stop splitting work (e.g. gather the batch and
-run every rank on all of it, so no gradient needs reducing); with it, sharding the work
-pays for the collectives it needs, as it does on a machine.
+``AlphaBeta`` is :class:`vescale.cost.CostModel` (the name the plan API has used);
+:func:`calibrate` measures it (cached per machine and mesh, :mod:`vescale.cost.calibrate`).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from vescale.cost.calibrate import calibrate
+from vescale.cost.model import (
+    CommStep,
+    CostModel,
+    default_cost_model,
+    is_free,
+    op_flops,
+)
 
 __all__ = [
     "AlphaBeta",
@@ -37,41 +41,11 @@ __all__ = [
     "default_alpha_beta",
     "local_bytes",
     "redistribution_steps",
+    "strategy_compute_s",
 ]
 
 Placements = tuple[Placement, ...]
-# Defaults for meshes that cannot communicate (fake or meta): 20 us, 1 GB/s.
-DEFAULT_ALPHA = 20e-6
-DEFAULT_BETA = 1e-9
-DEFAULT_GAMMA = 1e-10  # 10 GB/s of local memory traffic
-
-
-@dataclass(frozen=True)
-class AlphaBeta:
-    """Per mesh dim latency ``alpha`` (s) and inverse bandwidth ``beta`` (s/byte)."""
-
-    alpha: tuple[float, ...]
-    beta: tuple[float, ...]
-    gamma: float = DEFAULT_GAMMA
-
-    def time(self, step: CommStep) -> float:
-        return self.alpha[step.mesh_dim] + self.beta[step.mesh_dim] * step.wire_bytes
-
-
-@dataclass(frozen=True)
-class CommStep:
-    """One collective of a redistribution: kind, mesh dim, ranks, input bytes per rank."""
-
-    kind: str
-    mesh_dim: int
-    group_size: int
-    bytes: int
-
-    @property
-    def wire_bytes(self) -> float:
-        n, b = self.group_size, self.bytes
-        factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1}.get(self.kind, (n - 1) / n)
-        return factor * b
+AlphaBeta = CostModel
 
 
 def local_bytes(
@@ -83,7 +57,7 @@ def local_bytes(
 
 
 def default_alpha_beta(ndim: int) -> AlphaBeta:
-    return AlphaBeta((DEFAULT_ALPHA,) * ndim, (DEFAULT_BETA,) * ndim)
+    return default_cost_model(ndim)
 
 
 def _is_shard(p: Placement) -> bool:
@@ -127,51 +101,6 @@ def redistribution_steps(
     return steps
 
 
-_cache: dict[tuple[tuple[int, ...], str], AlphaBeta] = {}
-
-
-def calibrate(mesh: DeviceMesh, sizes: tuple[int, int] = (256, 262144), reps: int = 5) -> AlphaBeta:
-    """Measure ``alpha``/``beta`` per mesh dim with all-reduces of ``sizes`` float32 elements
-    and ``gamma`` with an in-place multiply of the larger size (medians of ``reps``, then the
-    maximum over all ranks); cached per mesh shape and backend.
-    Meshes on the fake or meta backends get the defaults."""
-    backend = mesh.device_type if mesh.device_type == "meta" else dist.get_backend()
-    key = (tuple(mesh.shape), str(backend))
-    if key in _cache:
-        return _cache[key]
-    if backend in ("meta", "fake"):
-        return _cache.setdefault(key, default_alpha_beta(mesh.ndim))
-    alphas, betas = [], []
-    for d in range(mesh.ndim):
-        group, n = mesh.get_group(d), mesh.size(d)
-        times = []
-        for numel in sizes:
-            buf = torch.ones(numel, device=mesh.device_type)
-            dist.all_reduce(buf, group=group)  # warm-up
-            samples = []
-            for _ in range(reps):
-                start = time.perf_counter()
-                dist.all_reduce(buf, group=group)
-                samples.append(time.perf_counter() - start)
-            times.append(sorted(samples)[reps // 2])
-        wires = [CommStep("all_reduce", d, n, s * 4).wire_bytes for s in sizes]
-        beta = max((times[1] - times[0]) / max(wires[1] - wires[0], 1.0), 1e-13)
-        alphas.append(max(times[0] - beta * wires[0], 1e-7))
-        betas.append(beta)
-    x = torch.ones(sizes[1])
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        x.mul_(1.0)
-        samples.append(time.perf_counter() - start)
-    gamma = sorted(samples)[reps // 2] / (2 * x.numel() * x.element_size())
-    slowest = torch.tensor([*alphas, *betas, gamma], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank: the same numbers
-    v = slowest.tolist()
-    ab = AlphaBeta(tuple(v[: mesh.ndim]), tuple(v[mesh.ndim : 2 * mesh.ndim]), v[-1])
-    return _cache.setdefault(key, ab)
-
-
 def bucketed_step(
     bucket: str,
     src: Placements,
@@ -200,3 +129,136 @@ def bucketed_step(
     if bucket == "gradients" and step.kind == "all_reduce":
         return step
     return None
+
+
+@dataclass(frozen=True)
+class FlatStep(CommStep):
+    """One collective over the flattened group of ``mesh_dims`` (``group_size`` ranks), as the
+    eager layer issues a same-kind step over several mesh dims when their flattened mesh
+    exists; ``mesh_dim`` is the first of them."""
+
+    mesh_dims: tuple[int, ...] = ()
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return self.mesh_dims
+
+
+def group_of(step: CommStep) -> tuple[int, ...]:
+    """The mesh dims whose (flattened) group runs ``step``."""
+    return step.mesh_dims if isinstance(step, FlatStep) else (step.mesh_dim,)
+
+
+def flattened_steps(
+    src: Placements,
+    dst: Placements,
+    shape: tuple[int, ...],
+    itemsize: int,
+    mesh_shape: tuple[int, ...],
+) -> list[CommStep] | None:
+    """:func:`redistribution_steps`, except that a redistribution whose steps are all one
+    kind over several mesh dims with the same source (``Partial`` sum/avg, or the same
+    ``Shard``) and the same target (``(P, P) -> (R, R)``, ``(S(d), S(d)) -> (R, R)``,
+    ``(P, P) -> (S(d), S(d))``, evenly divided) is one :class:`FlatStep` over their flattened
+    group, as upstream's planner merges it."""
+    steps = redistribution_steps(src, dst, shape, itemsize, mesh_shape)
+    if steps is None or len(steps) < 2 or len({s.kind for s in steps}) != 1:
+        return steps
+    dims = tuple(sorted(s.mesh_dim for s in steps))
+    kind, n = steps[0].kind, math.prod(mesh_shape[d] for d in dims)
+    if len({dst[d] for d in dims}) != 1:
+        return steps
+    sources = {src[d] for d in dims}
+    if kind == "all_gather":
+        (s,) = sources if len(sources) == 1 else (None,)
+        if type(s) is not Shard or shape[s.dim] % n or not isinstance(dst[dims[0]], Replicate):
+            return steps
+    elif not all(isinstance(p, Partial) and p.reduce_op in ("sum", "avg") for p in sources):
+        return steps
+    elif kind == "reduce_scatter":
+        target = dst[dims[0]]
+        if type(target) is not Shard or shape[target.dim] % n:
+            return steps
+    return [FlatStep(kind, dims[0], n, steps[0].bytes, dims)]
+
+
+def step_time(ab: AlphaBeta, step: CommStep) -> float:
+    """Seconds of ``step``: :meth:`vescale.cost.CostModel.time` (a :class:`FlatStep` at its
+    flattened group's calibrated constants, else its mesh dims' largest)."""
+    return ab.time(step)
+
+
+def flat_bucketed_step(
+    bucket: str,
+    src: Placements,
+    dst: Placements,
+    shape: tuple[int, ...],
+    itemsize: int,
+    mesh_shape: tuple[int, ...],
+) -> CommStep | None:
+    """:func:`bucketed_step` over :func:`flattened_steps`: also a gradient reduced over
+    several mesh dims as one all-reduce of their flattened group, and a parameter sharded
+    on one tensor dim over several mesh dims gathered by one all-gather of theirs."""
+    steps = flattened_steps(src, dst, shape, itemsize, mesh_shape)
+    if steps is None or len(steps) != 1 or not isinstance(steps[0], FlatStep):
+        return bucketed_step(bucket, src, dst, shape, itemsize, mesh_shape)
+    step = steps[0]
+    if bucket == "gradients" and step.kind == "all_reduce":
+        return step
+    if bucket == "parameters" and step.kind == "all_gather":
+        sharded = [p for p in src if not isinstance(p, Replicate)]
+        return step if len(sharded) == len(step.mesh_dims) else None
+    return None
+
+
+def strategy_compute_s(
+    model: CostModel,
+    node: torch.fx.Node,
+    out_placements: Placements,
+    mesh_shape: tuple[int, ...],
+    held_bytes: int,
+) -> float:
+    """Seconds of ``node`` on one rank under a strategy whose (first) output has
+    ``out_placements`` and whose local inputs and outputs hold ``held_bytes``: its FLOPs
+    (global, :func:`vescale.cost.model.op_flops`) divided over the mesh dims on which the
+    output is sharded or partial (each rank does that share of the products), or the bytes,
+    whichever is slower at the model's rates, plus its per-op overhead; views: 0."""
+    if is_free(node.target):
+        return 0.0
+    shapes = [tuple(a.meta["val"].shape) for a in node.all_input_nodes if _tensor(a)]
+    val = node.meta.get("val")
+    out = val[0] if isinstance(val, tuple | list) else val
+    flops = op_flops(node.target, shapes, out.numel()) if isinstance(out, torch.Tensor) else 0.0
+    split = math.prod(
+        n for p, n in zip(out_placements, mesh_shape) if _is_shard(p) or isinstance(p, Partial)
+    )
+    return model.compute_s(flops / split, held_bytes)
+
+
+def _tensor(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+DEFAULT_FLOP_S = 1 / 20e9  # s per FLOP (a CPU core's float32 matmul rate) until calibrated
+
+
+def node_flops(node: torch.fx.Node) -> int:
+    """FLOPs of an aten node on its global shapes from torch's flop counter registry
+    (matmuls, convolutions, attention); 0 for ops it does not list."""
+    from torch.utils.flop_counter import flop_registry
+
+    formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
+    if formula is None:
+        return 0
+
+    def val(a: object) -> object:
+        return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+
+    args = torch.utils._pytree.tree_map(val, node.args)
+    kwargs = torch.utils._pytree.tree_map(val, node.kwargs)
+    return int(formula(*args, **kwargs, out_val=node.meta.get("val")))
+
+
+def flop_time(ab: AlphaBeta, flops: float) -> float:
+    """Seconds of ``flops`` on one rank (``ab.flop_s`` when the model has it)."""
+    return flops * getattr(ab, "flop_s", DEFAULT_FLOP_S)

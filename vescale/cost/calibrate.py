@@ -1,0 +1,175 @@
+"""Measure the cost model's constants on the actual machine and process groups, once.
+
+:func:`calibrate` (a collective: every rank of the world calls it) times, interleaved so a
+drifting load hits every measurement alike, ``TRIALS`` rounds of: an all-reduce of 1 KiB and
+of 1 MiB over each mesh dim's group and over the whole mesh (a flattened group, 2+ dims); a
+one-element add (the per-op overhead), a 256x256x256 matmul and a 1 MiB element-wise
+multiply. Each rank takes the median of each; the ranks agree on the maximum of the medians
+(one all-reduce), so every rank holds identical constants; ``alpha``/``beta`` come from the
+two sizes (``alpha + beta * wire``), and every constant is rounded to a power of
+``2 ** (1/4)`` (:func:`vescale.cost.model.quantize`).
+
+Cached: in the process, and on disk in ``$VESCALE_CACHE_DIR`` (default
+``~/.cache/vescale``), one JSON file per machine (the ranks' host names), mesh shape, backend
+and world size: rank 0 reads it and broadcasts it, so a later run on the same machine and
+mesh reuses the same constants and makes the same choice. ``VESCALE_RECALIBRATE=1``
+measures again (and rewrites the file) on every call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from vescale._env import env_flag
+from vescale.cost.model import CostModel, default_cost_model, quantize, wire_bytes
+
+__all__ = ["TRIALS", "cache_path", "calibrate", "calibrated"]
+
+TRIALS = 15
+SIZES = (256, 262144)  # float32 elements of the small and the large all-reduce
+_MM = 256  # matmul side
+_FORMAT = 1  # of the cache file; a change invalidates every file
+_cache: dict[str, CostModel] = {}
+_by_shape: dict[tuple[tuple[int, ...], str], CostModel] = {}  # for readers off the mesh
+
+
+def calibrate(mesh: DeviceMesh) -> CostModel:
+    """The :class:`CostModel` of ``mesh`` on this machine (see module docstring); meshes on
+    the meta or fake backends get :func:`default_cost_model`."""
+    backend = "meta" if mesh.device_type == "meta" else str(dist.get_backend())
+    if backend in ("meta", "fake"):
+        return default_cost_model(mesh.ndim)
+    key = _key(mesh, backend)
+    fresh = env_flag("VESCALE_RECALIBRATE", False)
+    if not fresh and key in _cache:
+        return _cache[key]
+    box: list[Any] = [None]
+    if dist.get_rank() == 0 and not fresh:
+        box = [_read(cache_path(key))]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        model = _measure(mesh)
+        if dist.get_rank() == 0:
+            _write(cache_path(key), model)
+    else:
+        model = box[0]
+    _cache[key] = _by_shape[(tuple(mesh.shape), mesh.device_type)] = model
+    return model
+
+
+def cache_path(key: str) -> Path:
+    root = os.environ.get("VESCALE_CACHE_DIR") or Path.home() / ".cache" / "vescale"
+    return Path(root) / f"calibration-{key}.json"
+
+
+def _key(mesh: DeviceMesh, backend: str) -> str:
+    """``<mesh shape>-<backend>-w<world size>-<hash of the hosts, device type, torch>``."""
+    hosts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    what = [sorted(set(hosts)), mesh.device_type, torch.__version__, _FORMAT]
+    digest = hashlib.sha1(json.dumps(what).encode()).hexdigest()[:10]
+    shape = "x".join(str(n) for n in mesh.shape)
+    return f"{shape}-{backend}-w{dist.get_world_size()}-{digest}"
+
+
+def _read(path: Path) -> CostModel | None:
+    try:
+        data = json.loads(path.read_text())
+        groups = tuple((tuple(d), a, b) for d, a, b in data["groups"])
+        return CostModel(
+            tuple(data["alpha"]),
+            tuple(data["beta"]),
+            data["gamma"],
+            data["flops_rate"],
+            data["op_s"],
+            groups,
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # absent or unreadable: measure
+
+
+def _write(path: Path, model: CostModel) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        "alpha": model.alpha,
+        "beta": model.beta,
+        "gamma": model.gamma,
+        "flops_rate": model.flops_rate,
+        "op_s": model.op_s,
+        "groups": [[list(d), a, b] for d, a, b in model.groups],
+        "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _measure(mesh: DeviceMesh) -> CostModel:
+    groups: list[tuple[tuple[int, ...], Any, int]] = [
+        ((d,), mesh.get_group(d), mesh.size(d)) for d in range(mesh.ndim)
+    ]
+    if mesh.ndim > 1 and mesh.size() == dist.get_world_size():
+        groups.append((tuple(range(mesh.ndim)), dist.group.WORLD, mesh.size()))
+    bufs = [torch.ones(n, device=mesh.device_type) for n in SIZES]
+    one = torch.ones(1)
+    a = torch.randn(_MM, _MM)
+    big = torch.randn(SIZES[1])
+    probes: list[Callable[[], object]] = [
+        lambda: torch.add(one, one),
+        lambda: torch.mm(a, a),
+        lambda: torch.mul(big, 2.0),
+    ]
+    for _, group, _ in groups:
+        for buf in bufs:
+            probes.append(lambda g=group, b=buf: dist.all_reduce(b, group=g))
+    for probe in probes:  # warm-up
+        probe()
+    samples: list[list[float]] = [[] for _ in probes]
+    for _ in range(TRIALS):  # interleaved: a load change affects every probe alike
+        for i, probe in enumerate(probes):
+            samples[i].append(_timed(probe))
+    medians = torch.tensor([statistics.median(s) for s in samples], dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # every rank: the same numbers
+    t = medians.tolist()
+    op_s = t[0]
+    flops_rate = 2.0 * _MM**3 / max(t[1] - op_s, 1e-9)
+    gamma = max(t[2] - op_s, 1e-9) / (2 * big.numel() * big.element_size())
+    fits = []
+    for j, (_, _, n) in enumerate(groups):
+        small, large = t[3 + 2 * j], t[4 + 2 * j]
+        wires = [wire_bytes("all_reduce", n, s * 4) for s in SIZES]
+        beta = max((large - small) / (wires[1] - wires[0]), 1e-13)
+        fits.append((quantize(max(small - beta * wires[0], 1e-7)), quantize(beta)))
+    per_dim = fits[: mesh.ndim]
+    return CostModel(
+        tuple(a for a, _ in per_dim),
+        tuple(b for _, b in per_dim),
+        quantize(gamma),
+        quantize(flops_rate),
+        quantize(op_s),
+        tuple((dims, a, b) for (dims, _, _), (a, b) in zip(groups[mesh.ndim :], fits[mesh.ndim :])),
+    )
+
+
+def calibrated(mesh: DeviceMesh) -> CostModel | None:
+    """The constants :func:`calibrate` last gave for a mesh of ``mesh``'s shape and device
+    type in this process (no communication), or ``None``."""
+    return _by_shape.get((tuple(mesh.shape), mesh.device_type))
