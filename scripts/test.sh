@@ -4,5 +4,5 @@
 # tests/conftest.py), the other runs the single-process and subprocess tests alongside.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q torch==2.13.0 -e '.[test]'
+bash scripts/install.sh test
 OMP_NUM_THREADS=1 python -m pytest tests -n 2 --dist loadgroup -p no:benchmark "$@"

@@ -36,3 +36,24 @@ def test_demo_runs_and_matches_single_device():
         assert "backward  all_reduce             0" in out.stdout  # dp gradient reductions
         assert re.search(r"max \|diff\| = \S+ \(OK, tolerance 1e-05\)", out.stdout)
         assert (Path(dumps) / "rank3" / "collectives.json").exists()
+
+
+def test_demo_script_installs_the_runtime_only(tmp_path: Path) -> None:
+    """``scripts/demo.sh`` installs vescale without the test extras and names torch's CPU
+    build; run with a ``python`` on PATH that records its arguments instead of running."""
+    log = tmp_path / "calls"
+    shim = tmp_path / "python"
+    shim.write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
+    shim.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("VESCALE_TORCH_INDEX", None)
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh")], env=env, timeout=60)
+    assert out.returncode == 0
+    install, demo = log.read_text().splitlines()
+    assert install.split() == ["-m", "pip", "install", "-q", "torch==2.13.0+cpu", "-e", "."]
+    assert demo.split()[:2] == ["-m", "torch.distributed.run"]
+    assert demo.endswith("examples/train_demo.py")
+    env["VESCALE_TORCH_INDEX"] = "https://download.pytorch.org/whl/cpu"
+    log.unlink()
+    subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh")], env=env, timeout=60, check=True)
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in log.read_text()
