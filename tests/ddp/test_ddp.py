@@ -1,6 +1,8 @@
 """``vescale.ddp.DistributedDataParallel`` on a (dp=2, tp=2) mesh: every gradient arrives in
 its parameter's placements, equal to the single-device gradient, eagerly and compiled, and
-the compiled backward graph holds exactly one reduction per data-parallel gradient."""
+the compiled backward graph holds exactly one reduction per data-parallel gradient. On a
+dp=2 mesh: plain-tensor parameters given ``dp_mesh`` train like one device on the whole
+batch, and compiled DDP buckets under its own ``bucket_cap_mb`` as eager DDP does."""
 
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def _inputs():
     return torch.randn(8, 8, generator=g), torch.randn(8, 6, generator=g)
 
 
-def _distributed(mesh, bucket_cap_mb=25.0):
+def _distributed(mesh, bucket_cap_mb=None):
     net = Net()
     for name, p in list(net.named_parameters()):
         owner, _, leaf = name.rpartition(".")
@@ -102,7 +104,8 @@ def _check_compiled():
         ("all_reduce", 256, None),
         ("reduce_scatter", 24, None),
     ]
-    # with the passes (default): the four all-reduces go out as one bucket
+    # with the passes (default): the four all-reduces go out as one bucket (DDP's cap not
+    # given: the backend's bucket_cap_mb)
     assert _compiled_dp_backward_collectives({}) == [
         ("all_reduce", 24 + 32 + 192 + 256, 0),
         ("reduce_scatter", 24, None),
@@ -143,3 +146,126 @@ def test_eager_gradients_in_parameter_placements_and_bucketed(pool4):
     for counts in pool4.run(_eager_bucket_counts, cases):
         assert counts["unbucketed"] == {"all_reduce": 4, "reduce_scatter": 1}, counts
         assert counts["bucketed"] == {"all_reduce": 1, "reduce_scatter": 1}, counts
+
+
+# ---- data parallelism alone (dp=2): plain parameters, one bucket policy ----------------------
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(4, 8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.fc2(torch.tanh(self.fc1(x))), target)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(6, 4, generator=g), torch.randn(6, 3, generator=g)
+
+
+def _sgd_step(model, net, *inputs):
+    """One SGD step of ``model`` (``net`` or a wrapper of it): ``net``'s weights after it."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    model(*inputs).backward()
+    opt.step()
+    return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def _plain_step(compiled):
+    """One SGD step of a plain-parameter model under DDP (dp_mesh: the dp=2 mesh), each rank
+    on its half of the batch: returns the weights after it and the reference: one device, the
+    whole batch."""
+    mesh = vescale.init_device_mesh("cpu", (2,))
+    x, t = _batch()
+    rank = mesh.get_coordinate()[0]
+    ddp = DistributedDataParallel(_Mlp(), dp_mesh=mesh)
+    model = torch.compile(ddp, backend="vescale", options={"strict": True}) if compiled else ddp
+    got = _sgd_step(model, ddp.module, x.chunk(2)[rank], t.chunk(2)[rank])
+    ref = _Mlp()
+    return got, _sgd_step(ref, ref, x, t)
+
+
+def test_plain_parameters_train_like_one_device_on_the_whole_batch(pool2):
+    """A plain ``nn.Module`` under DDP with ``dp_mesh``: the weights after one step equal one
+    device's on the concatenated batch (gradients averaged over dp), eagerly and compiled."""
+    for compiled in (False, True):
+        for got, want in pool2.run(_plain_step, compiled):
+            assert got.keys() == want.keys()
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], msg=f"{compiled=} {name}")
+
+
+def _dp_model(mesh, bucket_cap_mb):
+    net = _Mlp()
+    for name, p in list(net.named_parameters()):
+        owner, _, leaf = name.rpartition(".")
+        dt = vescale.distribute_tensor(p.detach(), mesh, [Replicate()])
+        net.get_submodule(owner).register_parameter(leaf, nn.Parameter(dt))
+    return DistributedDataParallel(net, bucket_cap_mb=bucket_cap_mb)
+
+
+def _bucket_sizes(cases):
+    """Per ``(case, DDP bucket_cap_mb, backend options or None for eager)``: the all-reduce
+    bytes of one backward on a dp=2 mesh (sorted), eager counted by the profiler, compiled
+    read from the backward graph."""
+    out = {}
+    for case, cap_mb, options in cases:
+        mesh = vescale.init_device_mesh("cpu", (2,))
+        ddp = _dp_model(mesh, cap_mb)
+        inputs = [vescale.distribute_tensor(a, mesh, [Shard(0)]) for a in _batch()]
+        if options is None:
+            loss = ddp(*inputs)
+            with count_collectives() as counted:
+                loss.backward()
+            out[case] = (counted["all_reduce"], counted.bytes["all_reduce"])
+        else:
+            result = vescale.fx.trace(ddp, *inputs, options=options)
+            sizes = [
+                r["bytes"]
+                for r in result.collectives
+                if r["kind"] == "all_reduce" and r["graph"].endswith("backward")
+            ]
+            out[case] = (len(sizes), sum(sizes))
+        ref = _Mlp()
+        ref(*_batch()).backward()
+        for (name, p), want in zip(ddp.module.named_parameters(), ref.parameters()):
+            assert tuple(p.grad.placements) == (Replicate(),), (case, name, p.grad.placements)
+            torch.testing.assert_close(p.grad.full_tensor(), want.grad, msg=f"{case} {name}")
+    return out
+
+
+# fc2.bias (3,), fc2.weight (3, 8), fc1.bias (8,), fc1.weight (8, 4) float32: 12 + 96 + 32 + 128
+_TOTAL = 268
+_CAP_TWO = 128 / 2**20  # MiB: fits fc2.bias + fc2.weight (108 B), then fc1.bias alone, fc1.weight
+
+
+def test_compiled_ddp_buckets_under_its_own_cap_as_eager(pool2):
+    """DDP's ``bucket_cap_mb`` decides the compiled buckets of its reductions, whatever the
+    backend's option, with eager DDP's sizing rule: the same all-reduce count either way."""
+    cases = [
+        ("compiled, DDP 0", 0.0, {}),
+        ("compiled, DDP 0, backend 25", 0.0, {"bucket_cap_mb": 25}),
+        ("compiled, DDP default", None, {}),
+        ("compiled, DDP default, backend 0", None, {"bucket_cap_mb": 0}),
+        ("compiled, DDP 25, backend 0", 25.0, {"bucket_cap_mb": 0}),
+        ("compiled, DDP 128 B", _CAP_TWO, {}),
+        ("eager, DDP 0", 0.0, None),
+        ("eager, DDP default", None, None),
+        ("eager, DDP 128 B", _CAP_TWO, None),
+    ]
+    for counts in pool2.run(_bucket_sizes, cases):
+        assert counts == {
+            "compiled, DDP 0": (4, _TOTAL),
+            "compiled, DDP 0, backend 25": (4, _TOTAL),
+            "compiled, DDP default": (1, _TOTAL),
+            "compiled, DDP default, backend 0": (4, _TOTAL),
+            "compiled, DDP 25, backend 0": (1, _TOTAL),
+            "compiled, DDP 128 B": (3, _TOTAL),
+            "eager, DDP 0": (4, _TOTAL),
+            "eager, DDP default": (1, _TOTAL),
+            "eager, DDP 128 B": (3, _TOTAL),
+        }, counts

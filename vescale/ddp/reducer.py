@@ -1,15 +1,22 @@
 """Eager gradient reduction for ``DistributedDataParallel``: bucketed, overlapped with backward.
 
-Each DTensor parameter gets a post-accumulate-grad hook. When its gradient is accumulated,
-the mesh dims where the gradient is ``Partial("sum" | "avg")`` and the parameter is
-``Replicate`` are the dims to all-reduce. Gradients with the same dims, reduce op, mesh and
-dtype fill a bucket in the order they become ready; a bucket over ``bucket_cap_mb`` is
+Each parameter gets a post-accumulate-grad hook. When its gradient is accumulated, it is
+assigned what to all-reduce over:
+
+* a DTensor gradient: the mesh dims where the gradient is ``Partial("sum" | "avg")`` and the
+  parameter is ``Replicate``, with that reduce op;
+* a plain-tensor gradient (a plain parameter, given a data-parallel mesh): ``avg`` over that
+  1-D mesh, as torch DDP does.
+
+Gradients with the same mesh, dims, reduce op and dtype fill a bucket in the order they
+become ready, under the one bucket rule (:mod:`vescale.ddp.bucketing`); a closed bucket is
 flattened into one buffer and all-reduced asynchronously while backward goes on: one
 functional all-reduce over the flattened group of its mesh dims (one per mesh dim where the
 mesh cannot be flattened, see :func:`vescale.dtensor.redistribute.flattened_mesh`). At the
 end of backward (an autograd engine callback) the remaining buckets are issued, every bucket
-is waited, and each parameter's ``.grad`` becomes a DTensor in the parameter's placements. Any other gradient layout is redistributed on its
-own to the parameter's placements.
+is waited, and each DTensor parameter's ``.grad`` becomes a DTensor in the parameter's
+placements (a plain one's a view of the reduced buffer). Any other DTensor gradient layout is
+redistributed on its own to the parameter's placements.
 """
 
 from __future__ import annotations
@@ -21,13 +28,11 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
+from vescale.ddp.bucketing import DEFAULT_BUCKET_CAP_MB, cap_bytes, joins
 from vescale.dtensor.api import from_local, redistribute_dtensor, wait_local
 from vescale.dtensor.redistribute import flattened_mesh
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "Reducer"]
-
-# torch DDP's bucket size; also the default of the compiled ``bucket`` pass (BackendOptions).
-DEFAULT_BUCKET_CAP_MB = 25.0
 
 
 @dataclass
@@ -35,28 +40,33 @@ class _Bucket:
     mesh: Any
     dims: tuple[int, ...]
     reduce_op: str
-    params: list[Any] = field(default_factory=list)  # DTensor parameters
+    params: list[Any] = field(default_factory=list)
     nbytes: int = 0
     flat: torch.Tensor | None = None  # the in-flight result once issued
 
 
-class Reducer:
-    """Bucketed asynchronous reduction of the gradients of ``params`` (see module docstring)."""
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return grad._local_tensor if isinstance(grad, _UpstreamDTensor) else grad
 
-    def __init__(self, params: list[Any], bucket_cap_mb: float) -> None:
-        self.cap_bytes = int(bucket_cap_mb * 2**20)
+
+class Reducer:
+    """Bucketed asynchronous reduction of the gradients of ``params`` (see module docstring);
+    plain-tensor gradients are averaged over the 1-D ``dp_mesh``."""
+
+    def __init__(self, params: list[Any], bucket_cap_mb: float, dp_mesh: Any = None) -> None:
+        self.cap_bytes = cap_bytes(bucket_cap_mb)
+        self.dp_mesh = dp_mesh
         self.open: dict[tuple[Any, ...], _Bucket] = {}
         self.issued: list[_Bucket] = []
         self.armed = False
         self.handles = [p.register_post_accumulate_grad_hook(self._ready) for p in params]
 
-    def _ready(self, p: Any) -> None:
+    def _reduction(self, p: Any) -> tuple[Any, tuple[int, ...], str] | None:
+        """``(mesh, dims, reduce op)`` to all-reduce ``p.grad`` over; ``None``: redistribute it
+        on its own (or leave it, when already in the parameter's placements)."""
         grad = p.grad
         if not isinstance(grad, _UpstreamDTensor):
-            return
-        if not self.armed:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            self.armed = True
+            return (self.dp_mesh, (0,), "avg") if self.dp_mesh is not None else None
         dims = tuple(
             i
             for i, (g, w) in enumerate(zip(grad.placements, p.placements))
@@ -67,20 +77,37 @@ class Reducer:
             g == w for i, (g, w) in enumerate(zip(grad.placements, p.placements)) if i not in dims
         )
         if not dims or len(ops) != 1 or not ops <= {"sum", "avg"} or not rest_ok:
-            if tuple(grad.placements) != tuple(p.placements):
+            return None
+        # the mesh by value: a cached sharding can hand a gradient an equal, other mesh object
+        return grad.device_mesh, dims, ops.pop()
+
+    def _ready(self, p: Any) -> None:
+        grad = p.grad
+        if grad is None:
+            return
+        if not self.armed:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self.armed = True
+        reduction = self._reduction(p)
+        if reduction is None:
+            if isinstance(grad, _UpstreamDTensor) and tuple(grad.placements) != tuple(p.placements):
                 p.grad = redistribute_dtensor(grad, placements=p.placements, async_op=False)
             return
-        # the mesh by value: a cached sharding can hand a gradient an equal, other mesh object
-        key = (grad.device_mesh, dims, ops.pop(), grad.dtype)
-        bucket = self.open.setdefault(key, _Bucket(grad.device_mesh, dims, key[2]))
+        key = (*reduction, grad.dtype)
+        size = _local(grad).numel() * grad.element_size()
+        bucket = self.open.get(key)
+        if bucket is not None and not joins(bucket.nbytes, size, self.cap_bytes):
+            self._issue(self.open.pop(key))
+            bucket = None
+        if bucket is None:
+            bucket = self.open[key] = _Bucket(*reduction)
         bucket.params.append(p)
-        bucket.nbytes += grad._local_tensor.numel() * grad._local_tensor.element_size()
-        if bucket.nbytes >= self.cap_bytes:
+        bucket.nbytes += size
+        if bucket.nbytes >= self.cap_bytes:  # full: nothing more joins it
             self._issue(self.open.pop(key))
 
     def _issue(self, bucket: _Bucket) -> None:
-        locals_ = [wait_local(p.grad._local_tensor).reshape(-1) for p in bucket.params]  # type: ignore[union-attr]
-        flat = torch.cat(locals_)
+        flat = torch.cat([wait_local(_local(p.grad)).reshape(-1) for p in bucket.params])
         merged = flattened_mesh(bucket.mesh, bucket.dims)
         groups = [merged] if merged is not None else [(bucket.mesh, d) for d in bucket.dims]
         for group in groups:
@@ -97,10 +124,12 @@ class Reducer:
             offset = 0
             for p in bucket.params:
                 grad = p.grad
-                assert isinstance(grad, _UpstreamDTensor)
-                local = grad._local_tensor
+                local = _local(grad)
                 piece = flat[offset : offset + local.numel()].view(local.shape)
                 offset += local.numel()
+                if not isinstance(grad, _UpstreamDTensor):
+                    p.grad = piece
+                    continue
                 p.grad = from_local(
                     piece,
                     bucket.mesh,

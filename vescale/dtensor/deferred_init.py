@@ -22,14 +22,18 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import difflib
 import fnmatch
 import functools
+import itertools
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from vescale._torch_compat import TorchDispatchMode, tree_map
 from vescale.dtensor.dtensor import DTensor, from_local
@@ -566,9 +570,46 @@ def _local_arg(x: Any, shape: Sequence[int], indices: Indices) -> Any:
 def deferred_init(module_fn: Callable[..., M], *args: Any, **kwargs: Any) -> M:
     """``module_fn(*args, **kwargs)`` with no parameter or buffer memory allocated: tensors it
     creates are deferred, recording their initialization (random ops with their generator
-    state; the generator advances as in eager construction)."""
+    state; the generator advances as in eager construction). Running the module (or any
+    submodule) before :func:`materialize_module` raises ``RuntimeError`` naming the deferred
+    tensor."""
     with _DeferMode():
-        return module_fn(*args, **kwargs)
+        module = module_fn(*args, **kwargs)
+    if isinstance(module, nn.Module):
+        _guard_forward(module)
+    return module
+
+
+_GUARDS: weakref.WeakKeyDictionary[nn.Module, RemovableHandle] = weakref.WeakKeyDictionary()
+
+
+def _first_deferred(module: nn.Module) -> tuple[str, torch.Tensor] | None:
+    tensors = itertools.chain(module.named_parameters(), module.named_buffers())
+    return next(((n, t) for n, t in tensors if isinstance(t, _DeferredTensor)), None)
+
+
+def _guard_forward(root: nn.Module) -> None:
+    """A forward pre-hook on every module of ``root`` holding deferred tensors: it raises
+    while any is deferred, and removes itself once none is."""
+    for prefix, mod in root.named_modules():
+        if mod in _GUARDS or _first_deferred(mod) is None:
+            continue
+        what = f"{type(mod).__name__} {prefix!r}" if prefix else type(mod).__name__
+
+        def check(m: nn.Module, _args: Any, prefix: str = prefix, what: str = what) -> None:
+            found = _first_deferred(m)
+            if found is None:
+                _GUARDS.pop(m).remove()
+                return
+            name, t = found
+            full = f"{prefix}.{name}" if prefix else name
+            raise RuntimeError(
+                f"{what} was built by vescale.deferred_init and its tensor {full!r} (shape "
+                f"{tuple(t.shape)}) is still deferred (it holds no data): call "
+                f"vescale.materialize_module(model, plan) before running the model"
+            )
+
+        _GUARDS[mod] = mod.register_forward_pre_hook(check)
 
 
 def is_deferred(module_or_tensor: nn.Module | torch.Tensor) -> bool:
@@ -621,25 +662,80 @@ def materialize_module(
 
     ``plan`` maps names (``fnmatch`` patterns, first match wins) to ``(device_mesh,
     placements)``: those become DTensors holding only this rank's shard; the rest become
-    ordinary tensors. Tied tensors stay tied. Returns ``module``."""
+    ordinary tensors. Tied tensors stay tied (a pattern matching any of their names applies).
+    A pattern that takes no tensor (matching no name, or only names an earlier pattern took),
+    or a tied tensor whose names take entries that differ, raises ``ValueError`` before
+    anything is materialized. Returns ``module``."""
     plan = dict(plan or {})
-    done: dict[int, torch.Tensor] = {}  # id of a (possibly tied) tensor -> its replacement
+    slots: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    names: dict[int, list[str]] = {}  # id of a (possibly tied) tensor -> its names
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         for table in (mod._parameters, mod._buffers):
             for leaf, t in table.items():
-                if t is None:
-                    continue
-                if id(t) not in done:
-                    name = f"{mod_name}.{leaf}" if mod_name else leaf
-                    done[id(t)] = _materialized(t, name, plan)
-                table[leaf] = done[id(t)]  # type: ignore[assignment]
+                if t is not None:
+                    slots.append((table, leaf, t))
+                    names.setdefault(id(t), []).append(f"{mod_name}.{leaf}" if mod_name else leaf)
+    targets = _plan_targets(plan, names)
+    done: dict[int, torch.Tensor] = {}  # id of a (possibly tied) tensor -> its replacement
+    for table, leaf, t in slots:
+        if id(t) not in done:
+            done[id(t)] = _materialized(t, targets.get(id(t)))
+        table[leaf] = done[id(t)]
+    for mod in module.modules():
+        if mod in _GUARDS and _first_deferred(mod) is None:
+            _GUARDS.pop(mod).remove()
     return module
 
 
-def _materialized(
-    t: torch.Tensor, name: str, plan: Mapping[str, tuple[Any, Sequence[Placement]]]
-) -> torch.Tensor:
-    target = next((v for k, v in plan.items() if fnmatch.fnmatchcase(name, k)), None)
+def _plan_targets(
+    plan: Mapping[str, tuple[Any, Sequence[Placement]]], names: Mapping[int, list[str]]
+) -> dict[int, tuple[Any, Sequence[Placement]]]:
+    """Tensor id -> its plan entry (see :func:`materialize_module` for the errors)."""
+    targets: dict[int, tuple[Any, Sequence[Placement]]] = {}
+    used: set[str] = set()
+    for key, tensor_names in names.items():
+        first: dict[str, str] = {}  # pattern -> the first of this tensor's names it takes
+        for n in tensor_names:
+            pattern = next((k for k in plan if fnmatch.fnmatchcase(n, k)), None)
+            if pattern is not None:
+                first.setdefault(pattern, n)
+        used.update(first)
+        patterns = list(first)
+        values = {(plan[p][0], tuple(plan[p][1])): p for p in patterns}
+        if len(values) > 1:
+            pa, pb = list(values.values())[:2]
+            a, b = first[pa], first[pb]
+            raise ValueError(
+                f"materialize_module: tied tensor {a!r} / {b!r} takes plan entries {pa!r} and "
+                f"{pb!r}, which differ; give all its names one layout"
+            )
+        if patterns:
+            targets[key] = plan[patterns[0]]
+    all_names = [n for ns in names.values() for n in ns]
+    for pattern in plan:
+        if pattern in used:
+            continue
+        matched = [n for n in all_names if fnmatch.fnmatchcase(n, pattern)]
+        why = (
+            f"every name it matches ({matched[:3]}) is taken by an earlier pattern"
+            if matched
+            else "it matches no parameter or buffer"
+        )
+        close = difflib.get_close_matches(pattern, all_names, n=3)
+        hint = f"; did you mean {close}?" if close and not matched else ""
+        raise ValueError(
+            f"materialize_module: plan pattern {pattern!r} ({_describe(plan[pattern])}) takes "
+            f"no tensor: {why}{hint} (names look like {all_names[:4]})"
+        )
+    return targets
+
+
+def _describe(entry: tuple[Any, Sequence[Placement]]) -> str:
+    mesh, placements = entry
+    return f"placements {tuple(placements)} on {mesh}"
+
+
+def _materialized(t: torch.Tensor, target: tuple[Any, Sequence[Placement]] | None) -> torch.Tensor:
     if target is None and not isinstance(t, _DeferredTensor):
         return t
     with torch.no_grad():

@@ -7,15 +7,20 @@ graph, makes the same buckets and issues them in the same order):
   ``wait_tensor``: never a collective the graph returns unwaited (its wait lies in a later
   region), and a collective issued before the graph (an input waited in it) is not in the
   graph to merge;
-* walking the graph in order, a candidate joins the open bucket of its key while the
-  bucket stays under ``bucket_cap_mb`` (largest of input/output bytes, as upstream), it does
-  not depend on a member, and it comes before every non-collective use of a member's result;
+* walking the graph in order, a candidate joins the open bucket of its key under the one
+  bucket rule of eager DDP and this pass (:mod:`vescale.ddp.bucketing`: while the bucket's
+  bytes, the largest of input/output bytes of each member, stay within the cap), it does not
+  depend on a member, and it comes before every non-collective use of a member's result;
   the merged collective is issued where the last member was (after every wait its members'
   inputs follow, in-flight inputs' included). A collective consuming a member's result
   (e.g. the tensor-parallel all-reduce after the data-parallel one of a ``(Partial,
   Partial)`` gradient) moves after the bucket (stable topological sort), where it can bucket
   with its own kind;
-* a bucket closes when a candidate does not fit; one-member buckets stay as they are.
+* a bucket closes when a candidate does not fit; one-member buckets stay as they are;
+* the cap: ``bucket_cap_mb`` of the ``DistributedDataParallel`` that traced a gradient
+  reduction when it gave one (``custom["vescale_bucket_cap_mb"]``, part of the key: a
+  reduction never shares a bucket with collectives under another cap), else the backend's
+  ``bucket_cap_mb`` option; 0 leaves those collectives unbucketed.
 
 The rewrite (flatten, concatenate, one collective, split, restore shapes) is upstream
 Inductor's ``merge_{all_reduce,all_gather,reduce_scatter}_bucket``. Every node of a merge
@@ -34,6 +39,7 @@ from typing import Any
 import torch
 
 from vescale._torch_compat import bucket_merge_fns, stable_topological_sort
+from vescale.ddp.bucketing import BUCKET_CAP_KEY, cap_bytes, joins
 from vescale.fx.collectives import (
     COLLECTIVE_KINDS,
     WAIT_TENSOR,
@@ -61,10 +67,15 @@ class _Bucket:
     descendants: set[torch.fx.Node] = field(default_factory=set)
 
 
-def _key(node: torch.fx.Node) -> tuple[Any, ...]:
+def _cap(node: torch.fx.Node, default_mb: float) -> int:
+    """The bucket cap (bytes) of collective ``node``: its DDP's, else ``default_mb`` MiB."""
+    return cap_bytes((node.meta.get("custom") or {}).get(BUCKET_CAP_KEY, default_mb))
+
+
+def _key(node: torch.fx.Node, cap: int) -> tuple[Any, ...]:
     val = node.meta["val"]
     reduce_op = node.args[1] if _BUCKETABLE[node.target] != "all_gather" else None
-    return (_BUCKETABLE[node.target], group_name(node), reduce_op, val.dtype)
+    return (_BUCKETABLE[node.target], group_name(node), reduce_op, val.dtype, cap)
 
 
 def _size(node: torch.fx.Node) -> int:
@@ -80,8 +91,9 @@ def _descendants(node: torch.fx.Node, into: set[torch.fx.Node]) -> None:
                 stack.append(user)
 
 
-def select_buckets(gm: torch.fx.GraphModule, cap_bytes: int) -> list[list[torch.fx.Node]]:
-    """Buckets of two or more collectives (see module docstring), in graph order."""
+def select_buckets(gm: torch.fx.GraphModule, cap_mb: float) -> list[list[torch.fx.Node]]:
+    """Buckets of two or more collectives (see module docstring; ``cap_mb``: the cap of
+    collectives no DDP tagged), in graph order."""
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     open_buckets: dict[tuple[Any, ...], _Bucket] = {}
     done: list[list[torch.fx.Node]] = []
@@ -91,7 +103,10 @@ def select_buckets(gm: torch.fx.GraphModule, cap_bytes: int) -> list[list[torch.
         users = list(node.users)
         if len(users) != 1 or users[0].target is not WAIT_TENSOR or "val" not in node.meta:
             continue
-        key, size = _key(node), _size(node)
+        cap = _cap(node, cap_mb)
+        if cap == 0:
+            continue
+        key, size = _key(node, cap), _size(node)
         # a collective consuming the result can move after the bucket; anything else cannot
         first_use = min(
             (pos[u] for u in users[0].users if u.target not in _BUCKETABLE), default=math.inf
@@ -101,7 +116,7 @@ def select_buckets(gm: torch.fx.GraphModule, cap_bytes: int) -> list[list[torch.
             b is None
             or pos[node] > b.first_use
             or node in b.descendants
-            or b.nbytes + size > cap_bytes
+            or not joins(b.nbytes, size, cap)
         ):
             if b is not None and len(b.members) > 1:
                 done.append(b.members)
@@ -115,9 +130,8 @@ def select_buckets(gm: torch.fx.GraphModule, cap_bytes: int) -> list[list[torch.
 
 
 def bucket(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    """Merge collectives into buckets of at most ``ctx.options.bucket_cap_mb`` MiB (0: off)."""
-    cap_mb = float(ctx.options.bucket_cap_mb)
-    buckets = select_buckets(gm, int(cap_mb * 2**20)) if cap_mb > 0 else []
+    """Merge collectives into buckets of at most their cap (see module docstring)."""
+    buckets = select_buckets(gm, ctx.options.bucket_cap_mb)
     merge = bucket_merge_fns()
     ids = itertools.count()
     for members in buckets:
