@@ -1,6 +1,7 @@
 """Explicit mode: implicit redistributions that communicate are errors.
 
-On by default (``VESCALE_DISABLE_REDISTRIBUTE``, default ``"1"``; or
+On by default (``VESCALE_DISABLE_REDISTRIBUTE``: unset or ``1/true/yes/on`` on,
+``0/false/no/off`` off, case-insensitive, anything else a ``ValueError``; or
 :func:`explicit_redistribute` in a scope): an op whose vescale inputs would need a
 redistribution that communicates raises :class:`ImplicitRedistributionError` naming the op,
 the input placements and the placements the strategy wanted (upstream DTensors keep
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
+from vescale._env import parse_flag
 from vescale._stack import user_line_of_stack
 from vescale._torch_compat import (
     DTensorSpec,
@@ -43,33 +45,51 @@ __all__ = [
     "ImplicitRedistributionError",
     "explicit_redistribute",
     "explicit_redistribute_enabled",
+    "explicit_scope",
+    "explicit_state",
     "observe_redistribution",
     "redistribute_for",
 ]
 
 OpOverload = torch._ops.OpOverload
 
-_explicit = threading.local()
+_ENV = "VESCALE_DISABLE_REDISTRIBUTE"
+_explicit = threading.local()  # .state: (enabled, what set it) of the innermost scope, or None
+
+
+def explicit_state() -> tuple[bool, str]:
+    """Whether implicit redistribution is forbidden here, and what says so (for messages):
+    the innermost scope, else ``VESCALE_DISABLE_REDISTRIBUTE`` (``ValueError`` if it is not a
+    boolean), else on."""
+    state: tuple[bool, str] | None = getattr(_explicit, "state", None)
+    if state is not None:
+        return state
+    value = os.environ.get(_ENV)
+    if value is None:
+        return True, f"the default: {_ENV} is unset"
+    return parse_flag(_ENV, value), f"{_ENV}={value!r}"
 
 
 def explicit_redistribute_enabled() -> bool:
     """Whether implicit redistribution is forbidden here (context manager, else env var)."""
-    value = getattr(_explicit, "enabled", None)
-    if value is None:
-        return os.environ.get("VESCALE_DISABLE_REDISTRIBUTE", "1") != "0"
-    return bool(value)
+    return explicit_state()[0]
 
 
 @contextlib.contextmanager
-def explicit_redistribute(enabled: bool = True) -> Iterator[None]:
-    """Forbid (``True``) or allow (``False``) implicit redistribution in this scope and thread,
-    overriding ``VESCALE_DISABLE_REDISTRIBUTE``."""
-    prev = getattr(_explicit, "enabled", None)
-    _explicit.enabled = enabled
+def explicit_scope(enabled: bool, source: str) -> Iterator[None]:
+    """Explicit mode ``enabled`` in this scope and thread, set by ``source`` (for messages)."""
+    prev = getattr(_explicit, "state", None)
+    _explicit.state = (enabled, source)
     try:
         yield
     finally:
-        _explicit.enabled = prev
+        _explicit.state = prev
+
+
+def explicit_redistribute(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Forbid (``True``) or allow (``False``) implicit redistribution in this scope and thread,
+    overriding ``VESCALE_DISABLE_REDISTRIBUTE``."""
+    return explicit_scope(enabled, f"vescale.dtensor.explicit_redistribute({enabled})")
 
 
 def _op_of(msg: Any) -> str:
@@ -114,12 +134,12 @@ def observe_redistribution(
         and torch._C._current_graph_task_id() == -1  # not inside backward: see module docstring
         and not _dynamo_propagating()
     ):
-        op = _op_of(redistribution_msg)
+        op, source = _op_of(redistribution_msg), explicit_state()[1]
         raise ImplicitRedistributionError(
             f"{op}{_traced_user_line()}: implicit redistribution of an input from {tuple(src_spec.placements)} to "
             f"{tuple(dst_spec.placements)} on {src_spec.mesh} (global shape "
             f"{tuple(src_spec.shape)}) is forbidden: explicit mode is on "
-            f"(VESCALE_DISABLE_REDISTRIBUTE=1). Call .redistribute(placements="
+            f"({source}). Call .redistribute(placements="
             f"{list(dst_spec.placements)}) on it first, or allow it with "
             f"vescale.dtensor.explicit_redistribute(False)."
         )

@@ -5,14 +5,23 @@ this object and every pass reads it from ``PassContext.options``. Each field's
 ``metadata["doc"]`` says what it does and ``metadata["env"]`` names the environment variable
 read when the option is not given (``None``: none), so a docs table can be generated from or
 checked against ``dataclasses.fields(BackendOptions)``.
+
+Values are checked against each field's type (:meth:`BackendOptions.resolve`): a ``bool``
+option takes ``True``/``False`` only (never a string such as ``"false"``), a ``float`` option
+a number ``>= 0`` (int or float, not bool), a ``Literal`` one its listed values, ``None`` only
+where the type allows it, a path a ``str`` or ``os.PathLike``; anything else is a
+``ValueError`` naming the option, the value and what is accepted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import types
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
+from vescale._env import env_flag, parse_flag
 from vescale.ddp.reducer import DEFAULT_BUCKET_CAP_MB
 
 __all__ = ["PASSES_OFF", "BackendOptions"]
@@ -29,7 +38,7 @@ def _opt(default: Any, doc: str, env: str | None = None) -> Any:
 class BackendOptions:
     """Options of the ``vescale`` backend; ``fields(BackendOptions)[i].metadata`` documents each."""
 
-    codegen: str = _opt(
+    codegen: Literal["inductor", "fx"] = _opt(
         "inductor",
         '"inductor" (Inductor\'s decompositions and partitioner) or "fx" (run the graphs as '
         "they are)",
@@ -39,7 +48,7 @@ class BackendOptions:
         "run the Dynamo graph through eager DTensor (debugging)",
         "VESCALE_COMPILE_EAGER",
     )
-    dump_dir: str | None = _opt(
+    dump_dir: str | os.PathLike[str] | None = _opt(  # noqa: RUF009 (_opt is a field)
         None,
         "write dumps (graph.<pass>.txt, schedule.json, collectives.json), one folder per rank",
         "VESCALE_DUMP_DIR",
@@ -72,18 +81,68 @@ class BackendOptions:
 
     @classmethod
     def resolve(cls, options: dict[str, Any] | None) -> BackendOptions:
-        """``options`` checked (unknown names and bad values raise ``ValueError``), with the
-        env vars of ``eager`` and ``dump_dir`` where not given."""
+        """``options`` checked (unknown names and values not of the field's type raise
+        ``ValueError``), with the env vars of ``eager`` and ``dump_dir`` where not given."""
         options = dict(options or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(f"vescale backend: unknown options {unknown}; known: {sorted(known)}")
-        options.setdefault("eager", os.environ.get("VESCALE_COMPILE_EAGER", "0") == "1")
-        options.setdefault("dump_dir", os.environ.get("VESCALE_DUMP_DIR") or None)
-        out = cls(**options)
-        if out.codegen not in ("inductor", "fx"):
-            raise ValueError(
-                f"vescale backend: codegen must be 'inductor' or 'fx', got {out.codegen!r}"
-            )
-        return out
+        if "eager" not in options:
+            options["eager"] = env_flag("VESCALE_COMPILE_EAGER", False)
+        if "dump_dir" not in options:
+            options["dump_dir"] = os.environ.get("VESCALE_DUMP_DIR") or None
+        return cls(**{name: _checked(name, value) for name, value in options.items()})
+
+
+_HINTS = get_type_hints(BackendOptions)
+
+
+def _accepts(hint: Any, value: Any) -> bool:
+    """Whether ``value`` is of type ``hint`` under the options' policy (module docstring)."""
+    origin = get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return any(_accepts(h, value) for h in get_args(hint))
+    if origin is Literal:
+        return any(type(value) is type(a) and value == a for a in get_args(hint))
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, origin or hint)  # bool, str, os.PathLike[str], NoneType
+
+
+# What each type accepts, in words.
+_WORDS: dict[Any, list[str]] = {
+    bool: ["True", "False"],
+    float: ["a number >= 0 (int or float)"],
+    str: ["a str"],
+    os.PathLike: ["an os.PathLike"],
+    type(None): ["None"],
+}
+
+
+def _accepted(hint: Any) -> list[str]:
+    """What ``hint`` accepts, in words."""
+    origin = get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return [w for h in get_args(hint) for w in _accepted(h)]
+    if origin is Literal:
+        return [repr(a) for a in get_args(hint)]
+    return _WORDS[origin or hint]
+
+
+def _checked(name: str, value: Any) -> Any:
+    """``value`` of option ``name`` if its field's type accepts it (floats as float), else
+    ``ValueError`` naming the option, the value and what is accepted."""
+    hint = _HINTS[name]
+    if _accepts(hint, value):
+        return float(value) if hint is float else value
+    words = _accepted(hint)
+    accepted = ", ".join(words[:-1]) + f" or {words[-1]}" if len(words) > 1 else words[0]
+    tip = ""
+    if isinstance(value, str) and bool in (hint, *get_args(hint)):
+        with contextlib.suppress(ValueError):
+            tip = f"; pass the bool {parse_flag(name, value)}, not a string"
+    raise ValueError(
+        f"vescale backend: option {name} must be {accepted}, got {value!r} "
+        f"({type(value).__name__}){tip}"
+    )
