@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from vescale import _progress
 from vescale._torch_compat import (
     DYNAMO_COMPILER_FNS,
     aot_autograd,
@@ -125,6 +126,12 @@ def capture_graphs() -> Iterator[list[CompiledGraph]]:
 
 def _graph_compiler(opts: BackendOptions, name: str) -> Any:
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        if name.endswith(".backward"):  # compiled at the first backward: a stage of its own
+            with _progress.stage(f"compile {name}"):
+                return compile_forward_or_backward(gm, example_inputs)
+        return compile_forward_or_backward(gm, example_inputs)
+
+    def compile_forward_or_backward(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         folder = _rank_dir(opts.dump_dir)
         ctx = PassContext(name, folder, options=opts)
         gm = PIPELINE.run(gm, ctx)
@@ -194,8 +201,9 @@ def vescale_backend(
         contextlib.nullcontext() if opts.explicit is None else explicit_redistribute(opts.explicit)
     )
     route_input_views(gm)  # outputs that view inputs keep a DTensor backward
+    shown = _progress.enabled()  # a bad VESCALE_PROGRESS raises here, not as a fallback
     try:
-        with recording(), explicit:
+        with recording(), explicit, _progress.stage(f"compile graph{gid}.forward", shown):
             return aot(gm, example_inputs)
     except (ImplicitRedistributionError, RankDivergenceError):
         raise

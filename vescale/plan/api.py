@@ -4,7 +4,7 @@ parameters are this rank's shards and whose step runs the placed joint graph."""
 from __future__ import annotations
 
 import glob
-import os
+import inspect
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 
+from vescale import _progress
 from vescale.dtensor.deferred_init import materialize_module
 from vescale.passes.options import BackendOptions
 from vescale.plan.capture import capture_joint
@@ -23,6 +24,7 @@ from vescale.plan.explain import Explanation, explain
 from vescale.plan.lower import run_program, to_placements
 from vescale.plan.program import PlacedProgram, place
 from vescale.plan.propagate import Placements
+from vescale.plan.solve import solving_group
 from vescale.plan.validate import PlanError, normalize_placements, normalize_plan, validate_inputs
 
 __all__ = ["PlanError", "PlannedModule", "parallelize"]
@@ -49,22 +51,30 @@ class PlannedModule(nn.Module):
     """The parallelized model: ``module`` holds this rank's shards (DTensor parameters in the
     chosen placements); ``forward(*args)`` runs the placed joint graph (compiled by the
     ``vescale`` backend unless ``compile=False``) and returns the output; when it is a loss,
-    ``loss.backward()`` gives every parameter its gradient in the parameter's placements."""
+    ``loss.backward()`` gives every parameter its gradient in the parameter's placements.
+    Its inputs must have the shapes and dtypes of ``example_inputs`` (the plan is made for
+    them): any other is a :class:`PlanError` naming the input, the planned and the given
+    shape, on every rank at the first call (ranks compare theirs), on the ranks given it later."""
 
     def __init__(
         self,
         module: nn.Module,
         program: PlacedProgram,
         inputs: Sequence[Placements],
+        examples: Sequence[torch.Tensor],
         compile: bool,
         options: dict[str, Any] | None,
+        progress: bool,
     ) -> None:
         super().__init__()
         self.module = module
         self.program = program
         self.input_placements = [tuple(p) for p in inputs]
+        self._planned = [(tuple(t.shape), t.dtype) for t in examples]
+        self._input_names = _positional_names(module, len(examples))
         self._compile = compile
         self._options = options
+        self._progress = progress
         self._step: Any = None
 
     def explain(self) -> Explanation:
@@ -93,14 +103,49 @@ class PlannedModule(nn.Module):
                 phs = [graph.placeholder(f"arg{i}") for i in range(len(flat))]
                 graph.output(graph.call_function(placed_joint_step, tuple(phs)))
                 gm = torch.fx.GraphModule(nn.Module(), graph)
-                self._step = vescale_backend(gm, flat, self._options)
+                with _progress.forced(self._progress):
+                    self._step = vescale_backend(gm, flat, self._options)
         return self._step
+
+    def _mismatch(self, args: Sequence[Any], rank: int | None) -> str | None:
+        """The first input unlike its example (shape, dtype), as an error text."""
+        for i, (arg, (shape, dtype)) in enumerate(zip(args, self._planned)):
+            given = (
+                f"has shape {tuple(arg.shape)} {arg.dtype}"
+                if isinstance(arg, torch.Tensor)
+                else f"is a {type(arg).__name__}"
+            )
+            if given == f"has shape {shape} {dtype}":
+                continue
+            name = f" ({self._input_names[i]})" if self._input_names[i] else ""
+            where = "" if rank is None else f" on rank {rank}"
+            return (
+                f"vescale.parallelize: input {i}{name}{where} {given}, but the plan was made "
+                f"for example_inputs[{i}] of shape {shape} {dtype}: pass inputs of the planned "
+                "shapes and dtypes, or parallelize again with example_inputs like these"
+            )
+        return None
+
+    def _check_inputs(self, args: Sequence[Any]) -> None:
+        group = solving_group(self.program.mesh) if self._step is None else None
+        if group is None:  # later calls: each rank checks its own, no communication
+            problem = self._mismatch(args, None)
+            if problem:
+                raise PlanError(problem)
+            return
+        # the first call: ranks may be given different inputs; every rank raises the same error
+        problems: list[str | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(problems, self._mismatch(args, dist.get_rank(group)), group=group)
+        problem = next((p for p in problems if p), None)
+        if problem:
+            raise PlanError(problem)
 
     def forward(self, *args: torch.Tensor) -> Any:
         if len(args) != len(self.input_placements):
             raise TypeError(
                 f"vescale.parallelize: expected {len(self.input_placements)} inputs, got {len(args)}"
             )
+        self._check_inputs(args)
         state = self._flat_state()
         dargs = [to_placements(a, self.program, p) for a, p in zip(args, self.input_placements)]
         flat = [t.detach() for t in state] + dargs
@@ -125,6 +170,7 @@ def parallelize(
     alpha_beta: AlphaBeta | None = None,
     compile: bool = True,
     options: dict[str, Any] | None = None,
+    progress: bool | None = None,
 ) -> PlannedModule:
     """Place ``model`` on ``mesh`` from a partial plan.
 
@@ -140,12 +186,17 @@ def parallelize(
     (materialized shard-only when it was built with ``vescale.deferred_init``). ``compile``
     compiles the placed step with the ``vescale`` backend (``options`` are its options).
     With ``options["dump_dir"]`` or ``VESCALE_DUMP_DIR``, ``rank<r>/placements.md`` holds
-    :func:`vescale.fx.explain`'s report.
-    The plan is checked before anything communicates (:class:`PlanError`)."""
+    :func:`vescale.fx.explain`'s report. ``progress``: one line per long stage (capture,
+    propagate, solve, materialize, the step's compile) on rank 0's stderr (:mod:`vescale._progress`;
+    default: ``VESCALE_PROGRESS``, on).
+    The plan is checked before anything communicates (:class:`PlanError`); a failure of the
+    solve, which rank 0 runs for every rank, is a :class:`PlanError` on every rank."""
     if solver not in ("global", "greedy"):
         raise ValueError(
             f"vescale.parallelize: solver must be 'global' or 'greedy', got {solver!r}"
         )
+    opts = BackendOptions.resolve(options)  # checked before anything is traced
+    shown = _progress.enabled() if progress is None else progress  # a bad env value: every rank
     names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
     shapes = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()]}
     fixed_by_name = normalize_plan(plan, shapes, mesh)
@@ -155,19 +206,36 @@ def parallelize(
         if outputs is None
         else [normalize_placements(f"outputs[{i}]", p, mesh) for i, p in enumerate(outputs)]
     )
-    joint = capture_joint(model, example_inputs)
-    fixed = {
-        ph: fixed_by_name[n] for n, ph in zip(names, joint.placeholder_names) if n in fixed_by_name
-    }
-    for ph, p in zip(joint.placeholder_names[len(names) :], input_placements):
-        fixed[ph] = p
-    cost_model = alpha_beta if alpha_beta is not None else calibrate(mesh)
-    buckets = compile and BackendOptions.resolve(options).bucket_cap_mb > 0
-    program = place(joint, mesh, fixed, output_placements, cost_model, solver, buckets)
-    dump_dir = (options or {}).get("dump_dir") or os.environ.get("VESCALE_DUMP_DIR")
-    if dump_dir:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        explain(program).write(Path(dump_dir) / f"rank{rank}")
-    chosen = program.param_placements()
-    materialize_module(model, {glob.escape(n): (mesh, chosen[n]) for n in names})
-    return PlannedModule(model, program, input_placements, compile, options)
+    with _progress.forced(shown):
+        with _progress.stage("capture") as stage:
+            joint = capture_joint(model, example_inputs)
+            stage.detail = f"{len(joint.gm.graph.nodes)} nodes"
+        fixed = {
+            ph: fixed_by_name[n]
+            for n, ph in zip(names, joint.placeholder_names)
+            if n in fixed_by_name
+        }
+        for ph, p in zip(joint.placeholder_names[len(names) :], input_placements):
+            fixed[ph] = p
+        cost_model = alpha_beta if alpha_beta is not None else calibrate(mesh)
+        buckets = compile and opts.bucket_cap_mb > 0
+        program = place(joint, mesh, fixed, output_placements, cost_model, solver, buckets)
+        if opts.dump_dir is not None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            explain(program).write(Path(opts.dump_dir) / f"rank{rank}")
+        chosen = program.param_placements()
+        with _progress.stage("materialize") as stage:
+            materialize_module(model, {glob.escape(n): (mesh, chosen[n]) for n in names})
+            stage.detail = f"{len(names)} parameters and buffers"
+    return PlannedModule(model, program, input_placements, example_inputs, compile, options, shown)
+
+
+def _positional_names(model: nn.Module, n: int) -> list[str]:
+    """The names of ``model.forward``'s first ``n`` positional parameters ("" where none)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (e.g. a C function)
+        params = []  # type: ignore[assignment]
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [p.name for p in params if p.kind in positional]
+    return (names + [""] * n)[:n]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import functools
 import time
 from collections.abc import Sequence
@@ -11,10 +10,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
+from vescale import _progress
 from vescale._torch_compat import pytree
 from vescale.plan.capture import JointGraph
 from vescale.plan.cost import (
@@ -26,7 +25,15 @@ from vescale.plan.cost import (
 )
 from vescale.plan.handlers import handler_strategies
 from vescale.plan.propagate import NodeStrategies, Placements, Value, propagate, value_of
-from vescale.plan.solve import TIME_LIMIT_S, Demand, Problem, Solution, solve_global, solve_greedy
+from vescale.plan.solve import (
+    Demand,
+    Problem,
+    Solution,
+    solve_global,
+    solve_greedy,
+    solve_once,
+    solving_group,
+)
 
 __all__ = ["PlacedProgram", "place"]
 
@@ -124,7 +131,9 @@ def place(
     ``buckets``: the step is compiled with the ``bucket`` pass on, so the parameters' gathers
     and the gradients' all-reduces are priced (and issued) as buckets."""
     start = time.perf_counter()
-    table = propagate(joint.gm, mesh, fixed, handler_strategies)
+    with _progress.stage("propagate") as shown:
+        table = propagate(joint.gm, mesh, fixed, handler_strategies)
+        shown.detail = f"{len(table)} nodes"
     propagated = time.perf_counter()
     activations = _derived_from_inputs(joint)
     demands = _demands(joint, mesh, table, output_placements, activations if buckets else None)
@@ -190,7 +199,8 @@ def place(
         return {(step.kind, step.mesh_dim): alpha_beta.alpha[step.mesh_dim] * 1e6}
 
     problem = Problem(table, demands, cost, compute, pair_costs, latency)
-    solution = _solve_once(problem, solver, mesh)
+    solve = solve_global if solver == "global" else solve_greedy
+    solution = solve_once(solve, problem, solving_group(mesh))  # rank 0's, when it spans the world
     timings = {"propagate": propagated - start, "solve": time.perf_counter() - propagated}
     return PlacedProgram(
         joint, mesh, table, solution.chosen, demands, alpha_beta, solver, timings, solution
@@ -225,41 +235,6 @@ def _derived_from_inputs(joint: JointGraph) -> set[torch.fx.Node]:
         ):
             out.add(node)
     return out
-
-
-@functools.cache
-def _patient_group() -> dist.ProcessGroup:
-    """The world on gloo with a timeout longer than any solve: the other ranks wait for rank
-    0's choice in it (the default group's timeout may be shorter than a large solve)."""
-    seconds = 2 * TIME_LIMIT_S + 600
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
-    assert group is not None
-    return group
-
-
-def _solve_once(problem: Problem, solver: str, mesh: DeviceMesh) -> Solution:
-    """Solve on the first rank and broadcast the solution when the mesh spans the whole world
-    (every rank then holds the same choice by construction); otherwise every rank solves the
-    same problem, deterministically."""
-    solve = solve_global if solver == "global" else solve_greedy
-    spans_world = (
-        dist.is_initialized()
-        and mesh.device_type != "meta"
-        and dist.get_backend() != "fake"
-        and mesh.size() == dist.get_world_size() > 1
-    )
-    if not spans_world:
-        return solve(problem)
-    nodes = list(problem.table)
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        solution = solve(problem)
-        solution.chosen = [solution.chosen[n] for n in nodes]  # type: ignore[assignment]
-        box = [solution]
-    dist.broadcast_object_list(box, src=0, group=_patient_group())
-    solution = box[0]
-    solution.chosen = dict(zip(nodes, solution.chosen))
-    return solution  # type: ignore[no-any-return]
 
 
 def _demands(

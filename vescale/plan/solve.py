@@ -26,17 +26,35 @@ its gap to HiGHS' lower bound reported in :class:`Solution` (else greedy, said s
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import functools
+import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
+from vescale import _progress
 from vescale.plan.propagate import NodeStrategies, Placements, Value
+from vescale.plan.validate import PlanError
 
-__all__ = ["Demand", "Problem", "Solution", "objective", "solve_global", "solve_greedy"]
+__all__ = [
+    "Demand",
+    "Problem",
+    "Solution",
+    "objective",
+    "on_first_rank",
+    "solve_global",
+    "solve_greedy",
+    "solve_once",
+    "solving_group",
+]
 
 TIE = 1e-9  # us per strategy index
 TIME_LIMIT_S = 120.0
@@ -403,3 +421,78 @@ def solve_greedy(problem: Problem) -> Solution:
                 best, best_cost = s, total
         chosen[node] = best
     return Solution(chosen, "greedy", objective(problem, chosen))
+
+
+T = TypeVar("T")
+
+
+@functools.cache
+def _patient_group() -> dist.ProcessGroup:
+    """The world on gloo with a timeout longer than any solve: the other ranks wait for rank
+    0's choice in it (the default group's timeout may be shorter than a large solve)."""
+    seconds = 2 * TIME_LIMIT_S + 600
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
+    assert group is not None
+    return group
+
+
+def solving_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The group in which rank 0 solves for every rank (:func:`solve_once`): the world when
+    ``mesh`` spans all of it (more than one rank, real backend); ``None`` otherwise (every
+    rank then solves the same problem itself, deterministically)."""
+    spans_world = (
+        dist.is_initialized()
+        and mesh.device_type != "meta"
+        and dist.get_backend() != "fake"
+        and mesh.size() == dist.get_world_size() > 1
+    )
+    return _patient_group() if spans_world else None
+
+
+def on_first_rank(fn: Callable[[], T], what: str, group: dist.ProcessGroup) -> T:
+    """``fn()`` run on rank 0 of ``group`` only, and its outcome broadcast in ``group``: every
+    rank returns rank 0's result, or, when ``fn`` raised there (or its result does not
+    pickle), raises the same :class:`PlanError` naming ``what``, the exception's class and
+    message, as soon as rank 0 failed (never a hang of the other ranks)."""
+    box: list[Any] = [None]
+    cause: Exception | None = None
+    if dist.get_rank(group) == 0:
+        try:
+            box = [("ok", fn())]
+            pickle.dumps(box)  # a result that cannot be sent fails here, not in the broadcast
+        except Exception as err:  # any failure: every rank must hear of it
+            box, cause = [("error", f"{type(err).__name__}: {err}")], err
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    status, value = box[0]
+    if status == "error":
+        raise PlanError(f"vescale.parallelize: {what} failed on rank 0: {value}") from cause
+    return value  # type: ignore[no-any-return]
+
+
+def _summary(solution: Solution) -> str:
+    gap = solution.gap
+    return solution.status + ("" if gap is None else f", gap {gap:.1%}")
+
+
+def solve_once(
+    solve: Callable[[Problem], Solution], problem: Problem, group: dist.ProcessGroup | None
+) -> Solution:
+    """``solve(problem)``, reported as the ``solve`` progress stage (:mod:`vescale._progress`):
+    with ``group`` (:func:`solving_group`) solved on its rank 0 alone and broadcast
+    (:func:`on_first_rank`: a failure there is a :class:`PlanError` on every rank), else here."""
+    nodes = list(problem.table)
+
+    def run() -> Solution:
+        with _progress.stage("solve") as shown:
+            solution = solve(problem)
+            shown.detail = _summary(solution)
+        return solution
+
+    def run_to_send() -> tuple[Solution, list[int]]:  # fx nodes do not travel: indices do
+        solution = run()
+        return dataclasses.replace(solution, chosen={}), [solution.chosen[n] for n in nodes]
+
+    if group is None:
+        return run()
+    sent, chosen = on_first_rank(run_to_send, "the solve (rank 0 solves for every rank)", group)
+    return dataclasses.replace(sent, chosen=dict(zip(nodes, chosen)))

@@ -18,7 +18,11 @@ Placements = tuple[Placement, ...]
 
 
 class PlanError(ValueError):
-    """A plan that does not fit the model or the mesh."""
+    """A plan that does not fit the model, the mesh or the inputs, or that could not be
+    solved (raised on every rank with the same text)."""
+
+
+ACCEPTED = "Shard(dim), Replicate(), Partial() or InterleavedShard(dim, size) (from vescale)"
 
 
 def _mesh_text(mesh: DeviceMesh) -> str:
@@ -27,7 +31,9 @@ def _mesh_text(mesh: DeviceMesh) -> str:
 
 
 def normalize_placements(what: str, value: Any, mesh: DeviceMesh) -> Placements:
-    """``value`` (one placement per mesh dim, or ``{mesh dim name: placement}``) as a tuple."""
+    """``value`` (one placement per mesh dim, or ``{mesh dim name: placement}``) as a tuple;
+    anything else, or an entry that is not a ``Placement`` (e.g. the string ``"Shard(0)"``),
+    raises :class:`PlanError` naming ``what``, the value and the accepted types."""
     if isinstance(value, Mapping):
         names = list(mesh.mesh_dim_names or ())
         unknown = [k for k in value if k not in names]
@@ -35,13 +41,31 @@ def normalize_placements(what: str, value: Any, mesh: DeviceMesh) -> Placements:
             raise PlanError(
                 f"{what}: mesh dim {unknown[0]!r} does not exist in {_mesh_text(mesh)} (its dims: {names})"
             )
+        for name, p in value.items():
+            _check_placement(f"{what}[{name!r}]", p)
         return tuple(value.get(n, Replicate()) for n in names)
     if isinstance(value, Placement):
         value = (value,)
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise PlanError(
+            f"{what}: {value!r} ({type(value).__name__}) is not placements: give one "
+            f"placement per dim of {_mesh_text(mesh)} or {{mesh dim name: placement}}, "
+            f"each a {ACCEPTED}"
+        )
     out = tuple(value)
-    if len(out) != mesh.ndim or not all(isinstance(p, Placement) for p in out):
+    for i, p in enumerate(out):
+        _check_placement(f"{what}[{i}]", p)
+    if len(out) != mesh.ndim:
         raise PlanError(f"{what}: {out} is not one placement per dim of {_mesh_text(mesh)}")
     return out
+
+
+def _check_placement(what: str, p: Any) -> None:
+    if not isinstance(p, Placement):
+        raise PlanError(
+            f"{what}: {p!r} ({type(p).__name__}) is not a placement: use {ACCEPTED}, "
+            "not a string or another type"
+        )
 
 
 def check_fits(what: str, placements: Placements, t: torch.Tensor, mesh: DeviceMesh) -> None:

@@ -1,0 +1,96 @@
+"""Progress of vescale's long stages: one line per stage, on rank 0 only, to stderr.
+
+    vescale: solve ... 12.3 s (column generation (7 LPs), integral, gap 0.0%)
+
+The stages that can take seconds to minutes on a real model report themselves: the plan
+path's ``capture``, ``propagate`` and ``solve`` (:func:`vescale.parallelize`) and every graph
+the ``vescale`` backend compiles (``compile graphN.forward``: trace, passes and codegen;
+``compile graphN.backward``, at the first backward). A stage writes ``vescale: <stage> ...``
+when it starts and its elapsed time when it ends, on the same line unless another stage
+wrote in between (then ``vescale: <stage>: 12.3 s``). Only global rank 0 (or a process
+without ``torch.distributed``) writes. On by default; ``VESCALE_PROGRESS=0`` (a strict
+boolean, :func:`vescale._env.env_flag`) or ``parallelize(..., progress=False)`` turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from vescale._env import env_flag
+
+__all__ = ["ENV", "Stage", "enabled", "forced", "stage"]
+
+ENV = "VESCALE_PROGRESS"
+_forced: ContextVar[bool | None] = ContextVar("vescale_progress", default=None)
+_open: list[Stage] = []  # the stage whose line is written up to "..." (at most one)
+
+
+@dataclass
+class Stage:
+    """A running stage; ``detail`` (set before it ends) is shown in parentheses."""
+
+    name: str
+    detail: str = ""
+
+
+def enabled() -> bool:
+    """Whether stages report: as :func:`forced`, else ``VESCALE_PROGRESS`` (default on);
+    a value that is not a boolean raises ``ValueError`` naming the variable."""
+    on = _forced.get()
+    return env_flag(ENV, True) if on is None else on
+
+
+@contextlib.contextmanager
+def forced(on: bool | None) -> Iterator[None]:
+    """Within the block, progress is ``on`` whatever the environment says (``None``: as it
+    says)."""
+    token = _forced.set(on)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _write(text: str) -> None:
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def stage(name: str, on: bool | None = None) -> Iterator[Stage]:
+    """Report the block as the stage ``name`` (see the module doc) if ``on`` (``None``:
+    :func:`enabled`); the yielded :class:`Stage` takes a ``detail``. Every rank reads the
+    setting (so a bad value raises everywhere); rank 0 writes."""
+    current = Stage(name)
+    if not ((enabled() if on is None else on) and _rank0()):
+        yield current
+        return
+    if _open:  # an enclosing stage's line ends here; it reports on a line of its own
+        _write("\n")
+        _open.clear()
+    _write(f"vescale: {name} ...")
+    _open.append(current)
+    start = time.perf_counter()
+    outcome = "failed after "
+    try:
+        yield current
+        outcome = ""
+    finally:
+        took = f"{outcome}{time.perf_counter() - start:.1f} s"
+        detail = f" ({current.detail})" if current.detail else ""
+        if _open and _open[0] is current:
+            _write(f" {took}{detail}\n")
+            _open.clear()
+        else:
+            _write(f"vescale: {name}: {took}{detail}\n")
