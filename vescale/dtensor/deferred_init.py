@@ -721,8 +721,8 @@ def _plan_targets(
             if matched
             else "it matches no parameter or buffer"
         )
-        close = difflib.get_close_matches(pattern, all_names, n=3)
-        hint = f"; did you mean {close}?" if close and not matched else ""
+        close = difflib.get_close_matches(pattern, all_names, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close and not matched else ""
         raise ValueError(
             f"materialize_module: plan pattern {pattern!r} ({_describe(plan[pattern])}) takes "
             f"no tensor: {why}{hint} (names look like {all_names[:4]})"
