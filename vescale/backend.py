@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 import warnings
 from collections.abc import Iterator
 from importlib.metadata import entry_points
@@ -38,7 +39,8 @@ from vescale._torch_compat import (
     register_backend,
 )
 from vescale.dtensor._recording import recording
-from vescale.dtensor.dispatch import ImplicitRedistributionError, explicit_redistribute
+from vescale.dtensor.dispatch import ImplicitRedistributionError
+from vescale.dtensor.explicit import explicit_scope, explicit_state
 from vescale.fx.aliased_outputs import route_input_views
 from vescale.fx.collectives import user_source
 from vescale.fx.timeline import write_schedule_json
@@ -78,7 +80,7 @@ PIPELINE = PassManager(
 _graph_ids = itertools.count()
 
 
-def _rank_dir(dump_dir: str | None) -> Path | None:
+def _rank_dir(dump_dir: str | os.PathLike[str] | None) -> Path | None:
     if dump_dir is None:
         return None
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -180,8 +182,16 @@ def _rank_checked(compiled: Any, name: str, sequence: list[str]) -> Any:
 def vescale_backend(
     gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None
 ) -> Any:
-    """``torch.compile(model, backend="vescale", options={...})``."""
+    """``torch.compile(model, backend="vescale", options={...})``.
+
+    Bad options and a bad ``VESCALE_DISABLE_REDISTRIBUTE`` raise ``ValueError`` here, before
+    anything can fall back (Dynamo reports it as ``BackendCompilerFailed`` at the first call)."""
     opts = BackendOptions.resolve(options)
+    explicit = (
+        explicit_state()
+        if opts.explicit is None
+        else (opts.explicit, f"the vescale backend option explicit={opts.explicit}")
+    )
     if opts.eager:
         return gm.forward
     gid = next(_graph_ids)
@@ -197,13 +207,14 @@ def vescale_backend(
         bw_compiler=_graph_compiler(opts, f"graph{gid}.backward"),
         **extra,
     )
-    explicit = (
-        contextlib.nullcontext() if opts.explicit is None else explicit_redistribute(opts.explicit)
-    )
     route_input_views(gm)  # outputs that view inputs keep a DTensor backward
     shown = _progress.enabled()  # a bad VESCALE_PROGRESS raises here, not as a fallback
     try:
-        with recording(), explicit, _progress.stage(f"compile graph{gid}.forward", shown):
+        with (
+            recording(),
+            explicit_scope(*explicit),
+            _progress.stage(f"compile graph{gid}.forward", shown),
+        ):
             return aot(gm, example_inputs)
     except (ImplicitRedistributionError, RankDivergenceError):
         raise
