@@ -11,8 +11,9 @@ per rank, ``alpha + beta * wire(kind, n, B)`` with the bytes a ring moves per ra
 mesh dims (``groups``, keyed by the sorted dims) where calibrated; an uncalibrated flattened
 group at the largest ``alpha`` and ``beta`` of its dims. Buckets
 (:meth:`CostModel.bucket_s`): the members the ``bucket`` pass merges pay one ``alpha`` per
-bucket, the cap splitting them as the pass does (a member that would push the bucket past
-``cap`` bytes, sized as the larger of its input and output, opens a new one).
+bucket, the cap splitting them by the pass's own policy (:mod:`vescale.ddp.bucketing`: a
+member that would push the bucket past the cap, sized as the larger of its input and
+output, opens a new one).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from vescale.ddp.bucketing import joins
 
 __all__ = [
     "DEFAULT_ALPHA",
@@ -36,6 +39,7 @@ __all__ = [
     "is_free",
     "op_flops",
     "quantize",
+    "tensor_args",
     "wire_bytes",
 ]
 
@@ -150,11 +154,11 @@ class CostModel:
 
 
 def bucket_sizes(sizes: Sequence[int], cap_bytes: float) -> list[int]:
-    """The bytes of each bucket the ``bucket`` pass makes of members of ``sizes`` (in order):
-    a member joins the open bucket unless that would exceed ``cap_bytes``."""
+    """The bytes of each bucket the ``bucket`` pass makes of members of ``sizes`` (in order),
+    by the one bucket policy (:func:`vescale.ddp.bucketing.joins`)."""
     out: list[int] = []
     for size in sizes:
-        if out and out[-1] + size <= cap_bytes:
+        if out and joins(out[-1], size, int(min(cap_bytes, 2**62))):
             out[-1] += size
         else:
             out.append(size)
@@ -184,6 +188,17 @@ _ATTENTION = {
     )
     if hasattr(_aten, name)
 }
+
+
+def tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The tensor arguments of ``node`` in argument order, repeats kept (``op_flops`` reads
+    them by position: ``sdpa(q, q, q)`` has three)."""
+    out: list[torch.fx.Node] = []
+    for a in node.args:
+        for x in a if isinstance(a, list | tuple) else (a,):
+            if isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor):
+                out.append(x)
+    return out
 
 
 def is_free(target: object) -> bool:

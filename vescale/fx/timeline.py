@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from vescale.cost.calibrate import calibrated
-from vescale.cost.model import CostModel, default_cost_model
+from vescale.cost.calibration import calibrated
+from vescale.cost.model import CostModel, default_cost_model, tensor_args
 from vescale.dtensor.device_mesh import known_meshes
 from vescale.fx.collectives import (
     COLLECTIVE_KINDS,
@@ -69,7 +69,7 @@ def estimate_us(node: torch.fx.Node, model: CostModel | None = None) -> float:
         nbytes = node_bytes(node.all_input_nodes[0])
         return comm.comm_s(COLLECTIVE_KINDS[node.target], (d,), n, nbytes) * 1e6
     model = model or _compute_model()
-    inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    inputs = tensor_args(node)
     shapes = [_shape(a.meta["val"]) for a in inputs]
     val = node.meta.get("val")
     out = val[0] if isinstance(val, tuple | list) and val else val

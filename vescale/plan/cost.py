@@ -13,7 +13,7 @@ communication alone is often to stop splitting work (e.g. gather the batch and r
 on all of it, so no gradient needs reducing).
 
 ``AlphaBeta`` is :class:`vescale.cost.CostModel` (the name the plan API has used);
-:func:`calibrate` measures it (cached per machine and mesh, :mod:`vescale.cost.calibrate`).
+:func:`calibrate` measures it (cached per machine and mesh, :mod:`vescale.cost.calibration`).
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from vescale.cost.calibrate import calibrate
+from vescale.cost.calibration import calibrate
 from vescale.cost.model import (
     CommStep,
     CostModel,
     default_cost_model,
     is_free,
     op_flops,
+    tensor_args,
 )
 
 __all__ = [
@@ -197,14 +198,16 @@ def flat_bucketed_step(
     mesh_shape: tuple[int, ...],
 ) -> CommStep | None:
     """:func:`bucketed_step` over :func:`flattened_steps`: also a gradient reduced over
-    several mesh dims as one all-reduce of their flattened group, and a parameter sharded
-    on one tensor dim over several mesh dims gathered by one all-gather of theirs."""
+    several mesh dims as one all-reduce of their flattened group, a gradient whose one
+    collective is a reduce-scatter (FSDP's; the program issues those together too), and a
+    parameter sharded on one tensor dim over several mesh dims gathered by one all-gather
+    of theirs."""
     steps = flattened_steps(src, dst, shape, itemsize, mesh_shape)
+    if steps is not None and len(steps) == 1 and bucket == "gradients":
+        return steps[0] if steps[0].kind in ("all_reduce", "reduce_scatter") else None
     if steps is None or len(steps) != 1 or not isinstance(steps[0], FlatStep):
         return bucketed_step(bucket, src, dst, shape, itemsize, mesh_shape)
     step = steps[0]
-    if bucket == "gradients" and step.kind == "all_reduce":
-        return step
     if bucket == "parameters" and step.kind == "all_gather":
         sharded = [p for p in src if not isinstance(p, Replicate)]
         return step if len(sharded) == len(step.mesh_dims) else None
@@ -225,7 +228,7 @@ def strategy_compute_s(
     whichever is slower at the model's rates, plus its per-op overhead; views: 0."""
     if is_free(node.target):
         return 0.0
-    shapes = [tuple(a.meta["val"].shape) for a in node.all_input_nodes if _tensor(a)]
+    shapes = [tuple(a.meta["val"].shape) for a in tensor_args(node)]
     val = node.meta.get("val")
     out = val[0] if isinstance(val, tuple | list) else val
     flops = op_flops(node.target, shapes, out.numel()) if isinstance(out, torch.Tensor) else 0.0
@@ -234,31 +237,3 @@ def strategy_compute_s(
     )
     return model.compute_s(flops / split, held_bytes)
 
-
-def _tensor(node: torch.fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), torch.Tensor)
-
-
-DEFAULT_FLOP_S = 1 / 20e9  # s per FLOP (a CPU core's float32 matmul rate) until calibrated
-
-
-def node_flops(node: torch.fx.Node) -> int:
-    """FLOPs of an aten node on its global shapes from torch's flop counter registry
-    (matmuls, convolutions, attention); 0 for ops it does not list."""
-    from torch.utils.flop_counter import flop_registry
-
-    formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
-    if formula is None:
-        return 0
-
-    def val(a: object) -> object:
-        return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
-
-    args = torch.utils._pytree.tree_map(val, node.args)
-    kwargs = torch.utils._pytree.tree_map(val, node.kwargs)
-    return int(formula(*args, **kwargs, out_val=node.meta.get("val")))
-
-
-def flop_time(ab: AlphaBeta, flops: float) -> float:
-    """Seconds of ``flops`` on one rank (``ab.flop_s`` when the model has it)."""
-    return flops * getattr(ab, "flop_s", DEFAULT_FLOP_S)

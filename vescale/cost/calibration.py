@@ -2,8 +2,8 @@
 
 :func:`calibrate` (a collective: every rank of the world calls it) times, interleaved so a
 drifting load hits every measurement alike, ``TRIALS`` rounds of: an all-reduce of 1 KiB and
-of 1 MiB over each mesh dim's group and over the whole mesh (a flattened group, 2+ dims); a
-one-element add (the per-op overhead), a 256x256x256 matmul and a 1 MiB element-wise
+of 4 MiB over each mesh dim's group and over the whole mesh (a flattened group, 2+ dims);
+20 one-element adds (the per-op overhead), a 256x256x256 matmul and a 4 MiB element-wise
 multiply. Each rank takes the median of each; the ranks agree on the maximum of the medians
 (one all-reduce), so every rank holds identical constants; ``alpha``/``beta`` come from the
 two sizes (``alpha + beta * wire``), and every constant is rounded to a power of
@@ -37,10 +37,11 @@ from vescale.cost.model import CostModel, default_cost_model, quantize, wire_byt
 
 __all__ = ["TRIALS", "cache_path", "calibrate", "calibrated"]
 
-TRIALS = 15
-SIZES = (256, 262144)  # float32 elements of the small and the large all-reduce
+TRIALS = 25
+SIZES = (256, 1 << 20)  # float32 elements of the small and the large all-reduce
 _MM = 256  # matmul side
-_FORMAT = 1  # of the cache file; a change invalidates every file
+_ADDS = 20  # one-element adds per sample of the per-op overhead (a timer tick is ~1 us)
+_FORMAT = 2  # of the cache file; a change invalidates every file
 _cache: dict[str, CostModel] = {}
 _by_shape: dict[tuple[tuple[int, ...], str], CostModel] = {}  # for readers off the mesh
 
@@ -133,7 +134,7 @@ def _measure(mesh: DeviceMesh) -> CostModel:
     a = torch.randn(_MM, _MM)
     big = torch.randn(SIZES[1])
     probes: list[Callable[[], object]] = [
-        lambda: torch.add(one, one),
+        lambda: [torch.add(one, one) for _ in range(_ADDS)],
         lambda: torch.mm(a, a),
         lambda: torch.mul(big, 2.0),
     ]
@@ -149,7 +150,7 @@ def _measure(mesh: DeviceMesh) -> CostModel:
     medians = torch.tensor([statistics.median(s) for s in samples], dtype=torch.float64)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # every rank: the same numbers
     t = medians.tolist()
-    op_s = t[0]
+    op_s = t[0] / _ADDS
     flops_rate = 2.0 * _MM**3 / max(t[1] - op_s, 1e-9)
     gamma = max(t[2] - op_s, 1e-9) / (2 * big.numel() * big.element_size())
     fits = []
