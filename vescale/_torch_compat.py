@@ -4,6 +4,7 @@ A torch upgrade that moves or renames one of these fails here, loudly, and
 ``tests/dtensor/test_torch_compat.py`` pins the shapes we rely on.
 """
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ from torch.distributed.tensor._redistribute import (
 from torch.distributed.tensor._sharding_prop import LocalLRUCache
 from torch.distributed.tensor._utils import (
     ExplicitRedistributionContext,
+    _compute_local_shape_and_global_offset,
     compute_global_tensor_info,
     compute_local_shape_and_global_offset,
 )
@@ -87,6 +89,7 @@ __all__ = [
     "bucket_merge_fns",
     "compute_global_tensor_info",
     "compute_local_shape_and_global_offset",
+    "compute_local_shape_at",
     "disable_current_modes",
     "expand_to_full_mesh_op_strategy",
     "from_functional_tensor",
@@ -114,6 +117,19 @@ __all__ = [
 from_functional_tensor = torch._from_functional_tensor
 PreparedSingleDimStrategy = _PreparedSingleDimStrategy
 disable_current_modes = _disable_current_modes
+
+
+def compute_local_shape_at(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    placements: Sequence[Any],
+) -> tuple[int, ...]:
+    """The local shape of the shard at mesh ``coordinate`` (any rank's, not only this one's)."""
+    shape, _ = _compute_local_shape_and_global_offset(
+        global_shape, mesh_shape, list(coordinate), placements, skip_offset=True
+    )
+    return tuple(int(s) for s in shape)
 
 
 def bucket_merge_fns() -> dict[str, Any]:

@@ -61,6 +61,8 @@ class DeviceMesh(_UpstreamDeviceMesh):
     ) -> None:
         if not _init_process_groups:
             upstream_kwargs.setdefault("_init_backend", False)
+        if upstream_kwargs.get("_init_backend", True):
+            check_device_type(device_type, "DeviceMesh")
         if pg is not None:
             ranks = dist.get_process_group_ranks(pg)
             if mesh is not None:
@@ -116,6 +118,18 @@ class DeviceMesh(_UpstreamDeviceMesh):
         state: dict[str, Any] = super().__getstate__()
         state.pop("_hash", None)
         return state
+
+    def __repr__(self) -> str:
+        """Upstream's text plus the rank list (in mesh order), so two meshes over the same
+        ranks in a different order print apart; over 64 ranks, the first and last 8."""
+        text = super().__repr__()
+        if ", Mesh: " in text:  # TORCH_DISTRIBUTED_DEBUG=DETAIL prints the ranks already
+            return text
+        ranks = self.mesh.tolist()
+        if self.mesh.numel() > 64:
+            flat = [str(r) for r in self.mesh.flatten().tolist()]
+            ranks = f"[{', '.join(flat[:8])}, ..., {', '.join(flat[-8:])}] ({len(flat)} ranks)"
+        return f"{text[:-1]}, ranks={ranks})"
 
     def size(self, mesh_dim: int | None = None, *, dim: int | None = None) -> int:
         """Upstream's ``size(mesh_dim)``; ``dim=`` is veScale legacy's keyword for it."""
@@ -181,6 +195,24 @@ class DeviceMesh(_UpstreamDeviceMesh):
         return res
 
 
+def check_device_type(device_type: str, what: str) -> None:
+    """Raise a clear ``RuntimeError`` if ``device_type`` has a device module (``torch.cuda``,
+    ``torch.xpu``, ...) that reports no device here; the ``fake`` backend (cross-compiling
+    without devices) and ``cpu``/``meta`` are always accepted."""
+    if device_type in ("cpu", "meta"):
+        return
+    if dist.is_initialized() and dist.get_backend() == "fake":
+        return
+    available = getattr(getattr(torch, device_type, None), "is_available", None)
+    if callable(available) and not available():
+        raise RuntimeError(
+            f"{what}: device type {device_type!r} is not available on this machine "
+            f"(torch.{device_type}.is_available() is False: no {device_type} device, or this "
+            f"torch build lacks {device_type} support); use device_type='cpu' (gloo) here, or "
+            f"run where {device_type} devices are present"
+        )
+
+
 def _check_ranks(device_type: str, mesh: Any) -> None:
     """Ranks in ``mesh`` are unique and (with a default group) fit the world size."""
     ranks = torch.as_tensor(mesh).flatten()
@@ -209,6 +241,7 @@ def init_device_mesh(
     **kwargs: Any,
 ) -> DeviceMesh:
     """As upstream ``init_device_mesh``; ``device_type="meta"`` builds a meta mesh."""
+    check_device_type(device_type, "init_device_mesh")
     if device_type == "meta":
         ranks = torch.arange(int(torch.Size(mesh_shape).numel()), dtype=torch.int)
         return DeviceMesh("meta", ranks.reshape(mesh_shape), mesh_dim_names=mesh_dim_names)

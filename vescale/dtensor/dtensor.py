@@ -5,8 +5,9 @@ The class and its conversions live here (one module, no import cycle):
 * ``distribute_tensor``: data from coordinate 0; ``Partial`` puts the value on coordinate 0
   (identity elements elsewhere); the caller's tensor is never modified.
 * ``from_local``: uneven shards by default (local sizes gathered along sharded mesh dims,
-  rank i holding ``torch.chunk`` chunk i); ``run_check`` broadcasts Replicate data from
-  coordinate 0 (``VESCALE_DISABLE_RUN_CHECK=1`` turns it off everywhere).
+  rank i holding ``torch.chunk`` chunk i); ``run_check`` first checks every rank's metadata
+  alike (one small all-gather, :mod:`vescale.dtensor.local_metadata`), then broadcasts
+  Replicate data from coordinate 0 (``VESCALE_DISABLE_RUN_CHECK=1`` turns it off everywhere).
 * ``to_local``/``redistribute`` with async collectives; ``Replicate -> Partial`` is local.
 All are differentiable.
 
@@ -47,6 +48,7 @@ from vescale.dtensor._recording import ACTIVE as _RECORDING
 from vescale.dtensor._recording import record_placements, record_redistribute
 from vescale.dtensor.device_mesh import DeviceMesh
 from vescale.dtensor.layout import chunk_sizes, contiguous_strides, dense_strides
+from vescale.dtensor.local_metadata import LocalRecord, check_records, gather_records
 from vescale.dtensor.placement_types import (
     Placement,
     Replicate,
@@ -338,39 +340,33 @@ def from_local(
 ) -> DTensor:
     """Build a DTensor from each rank's local shard (differentiable).
 
-    Without ``shape``/``stride`` and with ``support_uneven`` the global shape is the sum of
-    the local sizes along every sharded mesh dim (one small all-gather per such dim);
-    ``support_uneven=False`` assumes even shards (no communication). ``run_check`` makes
-    Replicate data consistent by broadcasting coordinate 0's local tensor (never in place).
-    ``async_input=False`` waits an in-flight async collective input first. Inside
-    ``torch.compile`` nothing is communicated: shards are assumed even unless ``shape`` and
-    ``stride`` are given, and ``run_check`` is skipped. A rank outside ``device_mesh`` gets
-    an empty local tensor and communicates nothing (the global shape assumes even shards).
+    Without ``shape``/``stride`` the global shape is the sum of the local sizes along every
+    sharded mesh dim. ``run_check`` (default): one small all-gather of every rank's metadata
+    (local shape, dtype, device type, placements, ``shape``/``stride``, its own argument
+    errors) before any data collective; every rank applies the same checks and raises the
+    same error naming the ranks that differ, then Replicate data is made consistent by
+    broadcasting coordinate 0's local tensor (never in place). Without it, ``support_uneven``
+    gathers the local sizes (one small all-gather per sharded mesh dim) and
+    ``support_uneven=False`` assumes even shards (no communication); each rank checks only
+    its own shard. ``async_input=False`` waits an in-flight async collective input first.
+    Inside ``torch.compile`` nothing is communicated: shards are assumed even unless
+    ``shape`` and ``stride`` are given, and ``run_check`` is skipped (the vescale backend's
+    rank check compares each ``from_local`` call's local metadata across ranks before the
+    graph's first run). A rank outside ``device_mesh`` gets an empty local tensor and
+    communicates nothing (the global shape assumes even shards).
     """
-    if isinstance(local_tensor, _UpstreamDTensor):
-        raise TypeError(
-            f"from_local: expected the local torch.Tensor shard, got a DTensor (placements "
-            f"{local_tensor.placements} on {local_tensor.device_mesh})"
-        )
-    if not isinstance(local_tensor, torch.Tensor):
-        raise TypeError(f"from_local: expected a torch.Tensor, got {type(local_tensor).__name__}")
-    if (shape is None) != (stride is None):
-        raise ValueError(
-            f"from_local: pass both shape and stride or neither (got shape={shape}, stride={stride})"
-        )
     mesh = _mesh(device_mesh, "from_local")
-    pl = normalize_placements(placements, mesh, local_tensor.ndim, what="from_local")
-    gp = (
-        spec_placements(
-            normalize_placements(grad_placements, mesh, local_tensor.ndim, what="from_local")
-        )
-        if grad_placements is not None
-        else None
-    )
-    if not async_input:
-        local_tensor = wait_local(local_tensor)
     tracing = are_we_tracing()  # no data-dependent communication inside a compiled graph
     outside = not tracing and mesh.get_coordinate() is None
+    run_check = run_check and not env_flag("VESCALE_DISABLE_RUN_CHECK", False)
+    run_check = run_check and mesh.device_type != "meta" and not tracing and not outside
+    if run_check and dist.get_backend(mesh.get_group(0)) != "fake":
+        return _checked_from_local(
+            local_tensor, mesh, placements, shape, stride, grad_placements, async_input
+        )
+    pl, gp = _from_local_arguments(local_tensor, mesh, placements, shape, stride, grad_placements)
+    if not async_input:
+        local_tensor = wait_local(local_tensor)
     if shape is not None:
         gshape, gstride = torch.Size(shape), tuple(stride)  # type: ignore[arg-type]
     elif (
@@ -396,9 +392,72 @@ def from_local(
             )
     if outside:  # upstream's rule: an empty local tensor, no communication
         local_tensor = local_tensor.new_empty(0, requires_grad=local_tensor.requires_grad)
-    run_check = run_check and not env_flag("VESCALE_DISABLE_RUN_CHECK", False)
-    run_check = run_check and mesh.device_type != "meta" and not tracing and not outside
     return _FromLocal.apply(local_tensor, spec, gp, run_check)  # type: ignore[no-any-return]
+
+
+def _from_local_arguments(
+    local_tensor: Any,
+    mesh: Any,
+    placements: Sequence[Placement] | None,
+    shape: Sequence[int] | None,
+    stride: Sequence[int] | None,
+    grad_placements: Sequence[Placement] | None,
+) -> tuple[tuple[Placement, ...], tuple[Placement, ...] | None]:
+    """``from_local``'s checks of its own arguments: (placements, grad placements)."""
+    if isinstance(local_tensor, _UpstreamDTensor):
+        raise TypeError(
+            f"from_local: expected the local torch.Tensor shard, got a DTensor (placements "
+            f"{local_tensor.placements} on {local_tensor.device_mesh})"
+        )
+    if not isinstance(local_tensor, torch.Tensor):
+        raise TypeError(f"from_local: expected a torch.Tensor, got {type(local_tensor).__name__}")
+    if (shape is None) != (stride is None):
+        raise ValueError(
+            f"from_local: pass both shape and stride or neither (got shape={shape}, stride={stride})"
+        )
+    pl = normalize_placements(placements, mesh, local_tensor.ndim, what="from_local")
+    if grad_placements is None:
+        return pl, None
+    gp = normalize_placements(grad_placements, mesh, local_tensor.ndim, what="from_local")
+    return pl, spec_placements(gp)
+
+
+def _checked_from_local(
+    local_tensor: Any,
+    mesh: Any,
+    placements: Sequence[Placement] | None,
+    shape: Sequence[int] | None,
+    stride: Sequence[int] | None,
+    grad_placements: Sequence[Placement] | None,
+    async_input: bool,
+) -> DTensor:
+    """``from_local`` with ``run_check`` on a rank of ``mesh``: every rank's metadata in one
+    small all-gather first (:mod:`vescale.dtensor.local_metadata`), the same checks and the
+    same error everywhere, then the broadcast of Replicate data."""
+    error: Exception | None = None
+    pl: tuple[Placement, ...] | None = None
+    gp = None
+    try:
+        pl, gp = _from_local_arguments(
+            local_tensor, mesh, placements, shape, stride, grad_placements
+        )
+        given = (tuple(shape), tuple(stride)) if shape is not None else None  # type: ignore[arg-type]
+    except Exception as e:  # raised on every rank after the exchange below, never here alone
+        error, given = e, None
+    mine = LocalRecord.of(local_tensor, pl if pl is not None else placements, given, error)
+    records = gather_records(mine, mesh, _comm_device(mesh))
+
+    def layout(gshape: tuple[int, ...]) -> tuple[Placement, ...]:
+        check_interleaved(gshape, mesh, pl, what="from_local")  # type: ignore[arg-type]
+        return spec_placements(pl)  # type: ignore[arg-type]
+
+    gshape = torch.Size(check_records(records, mesh, pl, layout, own_error=error))
+    assert pl is not None  # check_records raised otherwise
+    if not async_input:
+        local_tensor = wait_local(local_tensor)
+    gstride = tuple(stride) if stride is not None else dense_strides(gshape, local_tensor)
+    spec = make_spec(mesh, pl, gshape, gstride, local_tensor.dtype)
+    return _FromLocal.apply(local_tensor, spec, gp, True)  # type: ignore[no-any-return]
 
 
 def _local_shape(spec: DTensorSpec) -> tuple[int, ...]:

@@ -1,0 +1,319 @@
+"""``from_local``'s ``run_check``: every rank's metadata in one small all-gather, checked alike.
+
+Before any data collective, each rank of the mesh contributes one record (its global rank;
+its local shape, dtype and device type; its placements; the ``shape``/``stride`` it passed;
+the error its own argument checks raised, if any) to one all-gather of a fixed-size byte
+buffer over the mesh: one collective over a group spanning the mesh (a 1-D mesh's group, or
+the flattened group of a mesh spanning the world), else one per mesh dim, each passing on
+what the previous gathered. Every rank then applies the same rules to the same records
+(:func:`check_records`) and raises the same error, naming the ranks that differ and what
+differs, or derives the same global shape. A record longer than the buffer (a huge shape or
+error text) costs every rank a second all-gather, sized by the longest record.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from vescale._torch_compat import compute_local_shape_at
+from vescale.dtensor.layout import chunk_sizes
+from vescale.dtensor.redistribute import flattened_mesh, wait_local
+
+__all__ = ["RECORD_BYTES", "LocalRecord", "check_records", "gather_records"]
+
+RECORD_BYTES = 256
+"""Bytes per rank in the first all-gather (a 4-byte length, then the record's JSON)."""
+
+_ERRORS: dict[str, type[Exception]] = {"TypeError": TypeError, "ValueError": ValueError}
+
+
+@dataclass(frozen=True)
+class LocalRecord:
+    """One rank's ``from_local`` call as every rank sees it."""
+
+    rank: int
+    shape: tuple[int, ...] | None  # None: the local tensor is not a tensor
+    dtype: str
+    device: str
+    placements: str
+    given: tuple[tuple[int, ...], tuple[int, ...]] | None  # shape=, stride=
+    error: tuple[str, str] | None  # (class name, message) of a local argument check
+
+    @staticmethod
+    def of(
+        local: Any,
+        placements: Any,
+        given: tuple[Sequence[int], Sequence[int]] | None,
+        error: Exception | None,
+    ) -> LocalRecord:
+        """This rank's record; ``error`` is what its own argument checks raised."""
+        tensor = isinstance(local, torch.Tensor)
+        err = None
+        if error is not None:
+            kind = next((c.__name__ for c in type(error).__mro__ if c.__name__ in _ERRORS), None)
+            err = (kind or "RuntimeError", str(error))
+        return LocalRecord(
+            rank=dist.get_rank(),
+            shape=tuple(int(s) for s in local.shape) if tensor else None,
+            dtype=str(local.dtype) if tensor else "",
+            device=local.device.type if tensor else "",
+            placements=str(tuple(placements)) if placements is not None else "None",
+            given=(tuple(given[0]), tuple(given[1])) if given is not None else None,
+            error=err,
+        )
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            [
+                self.rank,
+                self.shape,
+                self.dtype,
+                self.device,
+                self.placements,
+                self.given,
+                self.error,
+            ]
+        ).encode()
+
+    @staticmethod
+    def decode(data: bytes) -> LocalRecord:
+        rank, shape, dtype, device, placements, given, error = json.loads(data)
+        return LocalRecord(
+            rank,
+            tuple(shape) if shape is not None else None,
+            dtype,
+            device,
+            placements,
+            (tuple(given[0]), tuple(given[1])) if given is not None else None,
+            (error[0], error[1]) if error is not None else None,
+        )
+
+
+def _groups(mesh: Any) -> list[dist.ProcessGroup]:
+    """Groups whose chained all-gathers reach every rank of ``mesh``: one where one spans it."""
+    if mesh.ndim > 1 and mesh.size() == dist.get_world_size():
+        flat = flattened_mesh(mesh, range(mesh.ndim))
+        if flat is not None:
+            return [flat.get_group(0)]
+    return [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
+
+
+def _all_gather_rows(row: torch.Tensor, groups: list[dist.ProcessGroup]) -> torch.Tensor:
+    out = row
+    for group in groups:
+        out = wait_local(funcol.all_gather_tensor(out.contiguous(), 0, group))
+    return out.cpu().view(-1, row.numel())
+
+
+def _padded(data: bytes, size: int, device: torch.device) -> torch.Tensor:
+    row = torch.zeros(size, dtype=torch.uint8)
+    row[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return row.to(device)
+
+
+def gather_records(mine: LocalRecord, mesh: Any, device: torch.device) -> list[LocalRecord]:
+    """Every rank of ``mesh``'s record, by rank (one all-gather, see the module doc)."""
+    data = mine.encode()
+    groups = _groups(mesh)
+    head = len(data).to_bytes(4, "little") + data[: RECORD_BYTES - 4]
+    rows = _all_gather_rows(_padded(head, RECORD_BYTES, device), groups)
+    lengths = [int.from_bytes(bytes(r[:4].tolist()), "little") for r in rows]
+    if max(lengths) <= RECORD_BYTES - 4:
+        payloads = [bytes(r[4 : 4 + n].tolist()) for r, n in zip(rows, lengths)]
+    else:  # every rank sees the same lengths, so every rank takes this branch
+        rows = _all_gather_rows(_padded(data, max(lengths), device), groups)
+        payloads = [bytes(r[:n].tolist()) for r, n in zip(rows, lengths)]
+    return sorted((LocalRecord.decode(p) for p in payloads), key=lambda r: r.rank)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
+
+
+def _by_value(values: dict[int, Any], show: Callable[[Any], str] = str) -> str:
+    """``"A on ranks [0, 1], B on rank 2"`` (values in order of their first rank)."""
+    groups: dict[Any, list[int]] = {}
+    for rank, v in sorted(values.items()):
+        groups.setdefault(v, []).append(rank)
+    return ", ".join(f"{show(v)} on {_ranks(r)}" for v, r in groups.items())
+
+
+def _shape(s: Sequence[int] | None) -> str:
+    return str(tuple(s)) if s is not None else "no tensor"
+
+
+def _same(
+    records: list[LocalRecord], field: Callable[[LocalRecord], Any], what: str, fix: str, where: str
+) -> None:
+    values = {r.rank: field(r) for r in records}
+    if len(set(values.values())) > 1:
+        raise ValueError(
+            f"from_local: {what} differ across the ranks of {where}: {_by_value(values)}; {fix}"
+        )
+
+
+def _local_errors(records: list[LocalRecord], mesh: Any, own: Exception | None) -> None:
+    failed = [r for r in records if r.error is not None]
+    if not failed:
+        return
+    texts = {r.error for r in failed}
+    if own is not None and len(failed) == len(records) and len(texts) == 1:
+        raise own  # the same error everywhere: each rank raises its own, as is
+    cls = _ERRORS.get(failed[0].error[0], RuntimeError)  # type: ignore[index]
+    shown = "; ".join(f"rank {r.rank}: {r.error[1]}" for r in failed)  # type: ignore[index]
+    raise cls(
+        f"from_local failed on {_ranks([r.rank for r in failed])} of the {len(records)} ranks "
+        f"of {mesh} (every rank raises this): {shown}"
+    )
+
+
+def _global_shape(
+    records: list[LocalRecord], mesh: Any, placements: Sequence[Any]
+) -> tuple[int, ...]:
+    """Each tensor dim: the sum of the local sizes over the mesh dims sharding it (the other
+    mesh coordinates at 0), else the (common) local size."""
+    by_rank = {r.rank: r.shape for r in records}
+    shape = []
+    for d in range(len(records[0].shape)):  # type: ignore[arg-type]
+        dims = [m for m, p in enumerate(placements) if p.is_shard(d)]
+        grid = mesh.mesh[tuple(slice(None) if m in dims else 0 for m in range(mesh.ndim))]
+        shape.append(sum(by_rank[r][d] for r in grid.flatten().tolist()))  # type: ignore[index]
+    return tuple(shape)
+
+
+def _misfit(
+    records: list[LocalRecord],
+    mesh: Any,
+    placements: Sequence[Any],
+    gshape: tuple[int, ...],
+    spec_placements: Sequence[Any],
+    derived: bool,
+) -> None:
+    """Raise if any rank's local shape is not its shard of ``gshape``."""
+    coords = {int(r): c for c, r in _coordinates(mesh)}
+    bad = {}
+    for rec in records:
+        want = compute_local_shape_at(gshape, mesh.shape, coords[rec.rank], spec_placements)
+        if rec.shape != want:
+            bad[rec.rank] = (rec.shape, want)
+    if not bad:
+        return
+    rank = min(bad)
+    have, want = bad[rank]
+    dim = next(d for d, (a, b) in enumerate(zip(have, want)) if a != b)  # type: ignore[arg-type]
+    dims = [m for m, p in enumerate(placements) if p.is_shard(dim)]
+    if derived and dims:  # the sizes along the innermost mesh dim sharding ``dim``, as chunked
+        m = dims[-1]
+        index = list(coords[rank])
+        line = []
+        for c in range(mesh.size(m)):
+            index[m] = c
+            line.append(int(mesh.mesh[tuple(index)]))
+        by_rank = {r.rank: r.shape for r in records}
+        sizes = [by_rank[r][dim] for r in line]  # type: ignore[index]
+        total = sum(sizes)
+        raise ValueError(
+            f"from_local: local sizes {sizes} of tensor dim {dim} along mesh dim {m} (ranks "
+            f"{line}) of {mesh} are not the torch.chunk split of {total} over {len(line)} "
+            f"ranks ({chunk_sizes(total, len(line))}) for placements {tuple(placements)}; "
+            f"rank i must hold chunk i (or pass shape= and stride=)"
+        )
+    shown = "; ".join(
+        f"rank {r} has {_shape(h)}, expected {_shape(w)}" for r, (h, w) in bad.items()
+    )
+    raise ValueError(
+        f"from_local: local shape does not match the shard of global shape {tuple(gshape)} "
+        f"with placements {tuple(placements)} on {mesh} on {_ranks(sorted(bad))}: {shown}; "
+        f"shape= and stride= must describe the tensor the local shards form"
+    )
+
+
+def _coordinates(mesh: Any) -> list[tuple[tuple[int, ...], int]]:
+    ranks = mesh.mesh
+    return [(tuple(int(i) for i in idx), int(ranks[idx])) for idx in _indices(ranks.shape)]
+
+
+def _indices(shape: Sequence[int]) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = [()]
+    for n in shape:
+        out = [(*i, k) for i in out for k in range(n)]
+    return out
+
+
+def check_records(
+    records: list[LocalRecord],
+    mesh: Any,
+    placements: Sequence[Any],
+    spec_placements: Callable[[tuple[int, ...]], Sequence[Any]],
+    *,
+    own_error: Exception | None = None,
+) -> tuple[int, ...]:
+    """The global shape every rank agrees on, or the same error on every rank.
+
+    Rules, in order: no rank's own argument checks failed; placements, dtype, device type,
+    ``shape=``/``stride=`` and ``ndim`` are the same everywhere; tensor dims no mesh dim
+    shards have the same size everywhere; every rank's local shape is its shard of the global
+    shape (``shape=``, else the sum of the local sizes along the sharding mesh dims).
+    ``spec_placements(global_shape)`` gives the placements of the spec (and raises, the same
+    everywhere, for a global shape they cannot lay out). ``own_error``: what this rank's
+    argument checks raised (re-raised as is when every rank raised the same).
+    """
+    _local_errors(records, mesh, own_error)
+    where = f"{mesh}"
+    with_pl = f"(placements {tuple(placements)})"
+    _same(
+        records,
+        lambda r: r.placements,
+        "placements",
+        "pass the same placements on every rank",
+        where,
+    )
+    _same(
+        records,
+        lambda r: r.dtype,
+        f"local tensor dtypes {with_pl}",
+        "convert every rank's local tensor to one dtype",
+        where,
+    )
+    _same(
+        records,
+        lambda r: r.device,
+        f"local tensor device types {with_pl}",
+        f"put every local tensor on {mesh.device_type}",
+        where,
+    )
+    _same(
+        records,
+        lambda r: "none" if r.given is None else f"shape={r.given[0]}, stride={r.given[1]}",
+        f"shape=/stride= {with_pl}",
+        "pass the same global shape and stride on every rank",
+        where,
+    )
+    _same(
+        records,
+        lambda r: len(r.shape),  # type: ignore[arg-type]
+        f"local tensor ndims {with_pl}",
+        "every rank's local tensor must have the same number of dims",
+        where,
+    )
+    ndim = len(records[0].shape)  # type: ignore[arg-type]
+    whole = [d for d in range(ndim) if not any(p.is_shard(d) for p in placements)]
+    shapes = {r.rank: r.shape for r in records}
+    differ = [d for d in whole if len({s[d] for s in shapes.values()}) > 1]  # type: ignore[index]
+    if differ:
+        raise ValueError(
+            f"from_local: local shapes differ across the ranks of {mesh} in tensor dims "
+            f"{differ}, which placements {tuple(placements)} do not shard: "
+            f"{_by_value(shapes, _shape)}; those dims must have the same size on every rank"
+        )
+    given = records[0].given
+    gshape = given[0] if given is not None else _global_shape(records, mesh, placements)
+    _misfit(records, mesh, placements, gshape, spec_placements(gshape), given is None)
+    return gshape
