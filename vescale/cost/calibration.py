@@ -18,6 +18,7 @@ measures again (and rewrites the file) on every call.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -140,7 +141,7 @@ def _measure(mesh: DeviceMesh) -> CostModel:
     ]
     for _, group, _ in groups:
         for buf in bufs:
-            probes.append(lambda g=group, b=buf: dist.all_reduce(b, group=g))
+            probes.append(functools.partial(dist.all_reduce, buf, group=group))
     for probe in probes:  # warm-up
         probe()
     samples: list[list[float]] = [[] for _ in probes]

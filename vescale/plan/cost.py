@@ -236,4 +236,3 @@ def strategy_compute_s(
         n for p, n in zip(out_placements, mesh_shape) if _is_shard(p) or isinstance(p, Partial)
     )
     return model.compute_s(flops / split, held_bytes)
-
