@@ -129,17 +129,18 @@ class _GradSync(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, param: torch.Tensor, dp_mesh: Any, cap_mb: float | None
     ) -> torch.Tensor:
-        ctx.placements = getattr(param, "placements", None)
+        ctx.placements = param.placements if isinstance(param, _UpstreamDTensor) else None
         ctx.dp_mesh, ctx.cap_mb = dp_mesh, cap_mb
         return param.view_as(param)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        out: torch.Tensor
         with _tag_collectives(ctx.cap_mb):
-            if ctx.placements is None:
-                out = wait_local(funcol.all_reduce(grad, "avg", (ctx.dp_mesh, 0)))
-            else:
+            if isinstance(grad, _UpstreamDTensor):
                 out = redistribute_dtensor(grad, placements=ctx.placements)
+            else:
+                out = wait_local(funcol.all_reduce(grad, "avg", (ctx.dp_mesh, 0)))
         return out, None, None
 
 
