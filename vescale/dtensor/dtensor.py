@@ -85,9 +85,17 @@ __all__ = [
 
 
 class VescaleSpec(DTensorSpec):
-    """The spec of a ``vescale.DTensor``: equal to the ``DTensorSpec`` with the same fields,
-    hashed apart (so sharding caches keep vescale's results apart), and AOTAutograd's stable
-    hash tells the two apart too."""
+    """The spec of a ``vescale.DTensor``: equal only to a ``VescaleSpec`` with the same
+    fields, hashed apart from the ``DTensorSpec`` with those fields, so sharding caches keep
+    vescale's results apart (the C++ cache compares keys with ``==`` on a bucket collision,
+    whatever their hashes: an equal upstream key got a vescale result by chance); AOTAutograd's
+    stable hash tells the two apart too."""
+
+    def __eq__(self, other: object, /) -> bool:
+        # Python tries a subclass's __eq__ first, so DTensorSpec == VescaleSpec is False too
+        return type(other) is VescaleSpec and self._check_equals(other)
+
+    __hash__ = DTensorSpec.__hash__  # defining __eq__ would drop the inherited hash
 
     def _hash_impl(self) -> int:
         return hash((VescaleSpec, self._hash_key()))
