@@ -69,7 +69,7 @@ def main() -> None:
 
     torch._dynamo.reset()
     start = time.perf_counter()
-    hand = DistributedDataParallel(gpt.parallelize(gpt.build(cfg), mesh), bucket_cap_mb=0)
+    hand = DistributedDataParallel(gpt.parallelize(gpt.build(cfg), mesh))  # backend's buckets
     compiled = torch.compile(hand, backend="vescale")
     out["dtensor: parallelize"] = time.perf_counter() - start
     inputs = gpt.shard_batch(mesh, ids, tgt)

@@ -108,5 +108,9 @@ def test_backend_options_defaults_and_docs_in_one_place():
         assert f.metadata["doc"].strip(), f.name
         assert f.metadata["env"] is None or f.metadata["env"].startswith("VESCALE_"), f.name
     assert PassContext("g").options == BackendOptions()
+    # DDP's None: DEFAULT_BUCKET_CAP_MB eagerly, the backend's option compiled
     ddp_default = inspect.signature(DistributedDataParallel).parameters["bucket_cap_mb"].default
-    assert ddp_default == BackendOptions().bucket_cap_mb
+    assert ddp_default is None
+    assert DistributedDataParallel(torch.nn.Module())._reducer.cap_bytes == int(
+        BackendOptions().bucket_cap_mb * 2**20
+    )

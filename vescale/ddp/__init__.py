@@ -1,4 +1,4 @@
-"""Data parallelism on DTensor models: gradients reduced to their parameters' placements."""
+"""Data parallelism: DTensor gradients in their parameters' placements, plain ones averaged."""
 
 from vescale.ddp.distributed_data_parallel import DistributedDataParallel
 
