@@ -2,6 +2,7 @@
 placed by a global cost-based choice over the joint forward+backward graph, explained."""
 
 from vescale.plan.api import PlanError, PlannedModule, parallelize
+from vescale.plan.batch import Batch
 from vescale.plan.cost import AlphaBeta, calibrate
 
-__all__ = ["AlphaBeta", "PlanError", "PlannedModule", "calibrate", "parallelize"]
+__all__ = ["AlphaBeta", "Batch", "PlanError", "PlannedModule", "calibrate", "parallelize"]

@@ -18,10 +18,12 @@ from torch.distributed.tensor.placement_types import Placement
 from vescale import _progress
 from vescale.dtensor.deferred_init import materialize_module
 from vescale.passes.options import BackendOptions
+from vescale.plan.batch import Batch, batch_choices
 from vescale.plan.capture import capture_joint
 from vescale.plan.cost import AlphaBeta, calibrate
 from vescale.plan.explain import Explanation, explain
 from vescale.plan.lower import run_program, to_placements
+from vescale.plan.memory import optimizer_states
 from vescale.plan.program import PlacedProgram, place
 from vescale.plan.propagate import Placements
 from vescale.plan.solve import solving_group
@@ -163,7 +165,7 @@ def parallelize(
     mesh: DeviceMesh,
     plan: Mapping[str, PlanValue],
     *,
-    inputs: Sequence[PlanValue],
+    inputs: Sequence[PlanValue | Batch],
     example_inputs: Sequence[torch.Tensor],
     outputs: Sequence[PlanValue] | None = None,
     solver: str = "global",
@@ -171,12 +173,16 @@ def parallelize(
     compile: bool = True,
     options: dict[str, Any] | None = None,
     progress: bool | None = None,
+    memory_budget: int | None = None,
+    optimizer: str = "sgd",
 ) -> PlannedModule:
     """Place ``model`` on ``mesh`` from a partial plan.
 
     ``plan`` maps parameter/buffer name patterns (``fnmatch``, first match wins) to placements:
     a sequence with one placement per mesh dim, or ``{mesh dim name: placement}`` (other mesh
-    dims replicated). ``inputs`` are the placements of the forward arguments, ``example_inputs``
+    dims replicated). ``inputs`` are the placements of the forward arguments (or
+    :class:`vescale.plan.Batch`: a batch dim the compiler splits over one or more of the
+    mesh dims it names, its choice), ``example_inputs``
     global tensors (or fake tensors) of their shapes; ``outputs`` those of the model outputs
     (default replicated). Every other tensor's placement is chosen by ``solver``: "global"
     (minimum total communication time over the joint forward+backward graph) or "greedy"
@@ -189,6 +195,11 @@ def parallelize(
     :func:`vescale.fx.explain`'s report. ``progress``: one line per long stage (capture,
     propagate, solve, materialize, the step's compile) on rank 0's stderr (:mod:`vescale._progress`;
     default: ``VESCALE_PROGRESS``, on).
+    ``memory_budget``: bytes per rank the choice may hold (parameters, gradients, the state
+    of ``optimizer`` ("sgd", "sgd_momentum", "adam", ...), buffers, inputs and the
+    activations the backward reads; :mod:`vescale.plan.memory`): a constraint of the solve;
+    a :class:`PlanError` naming the smallest budget that fits when none does. The explain
+    report shows the choice's memory and the recipe it amounts to.
     The plan is checked before anything communicates (:class:`PlanError`); a failure of the
     solve, which rank 0 runs for every rank, is a :class:`PlanError` on every rank."""
     if solver not in ("global", "greedy"):
@@ -200,7 +211,21 @@ def parallelize(
     names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
     shapes = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()]}
     fixed_by_name = normalize_plan(plan, shapes, mesh)
-    input_placements = validate_inputs(inputs, example_inputs, mesh)
+    if memory_budget is not None and (
+        isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0
+    ):
+        raise PlanError(
+            f"vescale.parallelize: memory_budget must be a positive int (bytes per rank), "
+            f"got {memory_budget!r}"
+        )
+    optimizer_states(optimizer)  # a known optimizer, before anything is traced
+    batch = {
+        i: batch_choices(f"inputs[{i}]", p, t, mesh)
+        for i, (p, t) in enumerate(zip(inputs, example_inputs))
+        if isinstance(p, Batch)
+    }
+    given = [batch[i][0] if i in batch else p for i, p in enumerate(inputs)]
+    input_placements = validate_inputs(given, example_inputs, mesh)
     output_placements = (
         None
         if outputs is None
@@ -215,11 +240,22 @@ def parallelize(
             for n, ph in zip(names, joint.placeholder_names)
             if n in fixed_by_name
         }
-        for ph, p in zip(joint.placeholder_names[len(names) :], input_placements):
-            fixed[ph] = p
+        for i, (ph, p) in enumerate(zip(joint.placeholder_names[len(names) :], input_placements)):
+            fixed[ph] = batch.get(i, p)
         cost_model = alpha_beta if alpha_beta is not None else calibrate(mesh)
         buckets = compile and opts.bucket_cap_mb > 0
-        program = place(joint, mesh, fixed, output_placements, cost_model, solver, buckets)
+        program = place(
+            joint,
+            mesh,
+            fixed,
+            output_placements,
+            cost_model,
+            solver,
+            buckets,
+            memory_budget=memory_budget,
+            optimizer=optimizer,
+        )
+        input_placements = program.input_placements()  # a Batch input's: the solver's choice
         if opts.dump_dir is not None:
             rank = dist.get_rank() if dist.is_initialized() else 0
             explain(program).write(Path(opts.dump_dir) / f"rank{rank}")

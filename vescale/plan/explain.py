@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from vescale.plan.cost import CommStep
+from vescale.plan.cost import CommStep, group_of, step_time
 from vescale.plan.program import PlacedProgram
 from vescale.plan.propagate import Placements
 from vescale.plan.solve import Solution
@@ -53,14 +53,19 @@ class Explanation:
     timings_s: dict[str, float]
     measured: dict[str, Any] = field(default_factory=dict)
     solution: Solution | None = None
-    buckets: dict[tuple[str, str, int], int] = field(default_factory=dict)  # key -> members
+    # (bucket, kind, mesh dim, or the dims of a flattened group) -> members
+    buckets: dict[tuple[str, str, Any], int] = field(default_factory=dict)
+    memory: dict[str, int] = field(default_factory=dict)  # bytes per rank by kind, "total"
+    budget: int | None = None
+    recipe: str = ""
 
     @property
-    def bytes_by_dim_and_kind(self) -> Counter[tuple[int, str]]:
-        out: Counter[tuple[int, str]] = Counter()
+    def bytes_by_dim_and_kind(self) -> Counter[tuple[Any, str]]:
+        """Bytes per (mesh dim, or the dims of a flattened group, kind)."""
+        out: Counter[tuple[Any, str]] = Counter()
         for r in self.redistributions:
             for s in r.steps:
-                out[(s.mesh_dim, s.kind)] += s.bytes
+                out[(_group_key(s), s.kind)] += s.bytes
         return out
 
     @property
@@ -74,7 +79,10 @@ class Explanation:
     @property
     def estimated_us(self) -> float:
         """Every redistribution's time, a bucket's latency once."""
-        shared = sum(self.alpha_beta.alpha[d] * (n - 1) for (_, _, d), n in self.buckets.items())
+        shared = sum(
+            max(self.alpha_beta.alpha[d] for d in _dims(key)) * (n - 1)
+            for (_, _, key), n in self.buckets.items()
+        )
         return sum(r.cost_us for r in self.redistributions) - shared * 1e6
 
     def summary(self) -> str:
@@ -88,14 +96,15 @@ class Explanation:
             f"collectives per step: {self.collective_count}{self._merged()}, "
             f"bytes per step: {self.total_bytes}, "
             f"estimated communication time: {self.estimated_us:.1f} us",
+            *self._memory_lines(),
             "| mesh dim | kind | count | bytes |",
             "|---|---|---|---|",
         ]
-        counts: Counter[tuple[int, str]] = Counter(
-            (s.mesh_dim, s.kind) for r in self.redistributions for s in r.steps
+        counts: Counter[tuple[Any, str]] = Counter(
+            (_group_key(s), s.kind) for r in self.redistributions for s in r.steps
         )
-        for (dim, kind), b in sorted(self.bytes_by_dim_and_kind.items()):
-            lines.append(f"| {dim} | {kind} | {counts[(dim, kind)]} | {b} |")
+        for (dim, kind), b in sorted(self.bytes_by_dim_and_kind.items(), key=repr):
+            lines.append(f"| {_dim_text(dim)} | {kind} | {counts[(dim, kind)]} | {b} |")
         for k, v in self.measured.items():
             lines.append(f"measured {k}: {v}")
         return "\n".join(lines)
@@ -105,8 +114,20 @@ class Explanation:
             return ""
         members = sum(self.buckets.values())
         merged = self.collective_count - members + len(self.buckets)
-        parts = ", ".join(f"{b} {k}[dim {d}] x{n}" for (b, k, d), n in sorted(self.buckets.items()))
+        parts = ", ".join(
+            f"{b} {k}[dim {_dim_text(d)}] x{n}"
+            for (b, k, d), n in sorted(self.buckets.items(), key=repr)
+        )
         return f" ({merged} after the bucket pass: {parts})"
+
+    def _memory_lines(self) -> list[str]:
+        lines = [f"recipe: {self.recipe}"] if self.recipe else []
+        m = self.memory
+        if m:
+            parts = ", ".join(f"{k} {_mib(b)}" for k, b in m.items() if k != "total" and b)
+            limit = "" if self.budget is None else f" (budget {_mib(self.budget)})"
+            lines.append(f"memory per rank: {_mib(m['total'])}{limit}: {parts}")
+        return lines
 
     def _solution_lines(self) -> list[str]:
         sol = self.solution
@@ -129,9 +150,11 @@ class Explanation:
             "|---|---|---|---|---|---|---|",
         ]
         for r in self.redistributions:
-            steps = ", ".join(f"{s.kind}[dim {s.mesh_dim}] {s.bytes} B" for s in r.steps) or "local"
+            steps = ", ".join(
+                f"{s.kind}[dim {_dim_text(_group_key(s))}] {s.bytes} B" for s in r.steps
+            )
             lines.append(
-                f"| {r.value} | {_fmt(r.src)} | {_fmt(r.dst)} | {steps} | {r.cost_us:.1f} | "
+                f"| {r.value} | {_fmt(r.src)} | {_fmt(r.dst)} | {steps or 'local'} | {r.cost_us:.1f} | "
                 f"{r.reason} | {r.source} |"
             )
         lines += [
@@ -151,6 +174,24 @@ class Explanation:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(self.markdown())
         return path
+
+
+def _group_key(step: CommStep) -> Any:
+    """A step's mesh dim, or the dims of its flattened group."""
+    dims = group_of(step)
+    return dims[0] if len(dims) == 1 else dims
+
+
+def _dims(key: Any) -> tuple[int, ...]:
+    return key if isinstance(key, tuple) else (key,)
+
+
+def _dim_text(key: Any) -> str:
+    return "+".join(str(d) for d in _dims(key))
+
+
+def _mib(b: int) -> str:
+    return f"{b / 2**20:.2f} MiB"
 
 
 def _source(node: torch.fx.Node | None) -> str:
@@ -176,11 +217,11 @@ def explain(program: PlacedProgram, max_alternatives: int = 3) -> Explanation:
             continue
         steps = tuple(program.steps(demand.value, src, dst))
         if demand.bucket is not None and program.bucketed(demand, src, dst):
-            buckets.update((demand.bucket, s.kind, s.mesh_dim) for s in steps)
+            buckets.update((demand.bucket, s.kind, _group_key(s)) for s in steps)
         node, k = demand.value
         consumer = next((n for _, n, _ in demand.options if n is not None), None)
         name = node.name if k is None else f"{node.name}[{k}]"
-        cost = sum(program.alpha_beta.time(s) for s in steps) * 1e6
+        cost = sum(step_time(program.alpha_beta, s) for s in steps) * 1e6
         where = consumer if consumer is not None and consumer.op != "placeholder" else node
         redistributions.append(
             Redistribution(name, src, dst, steps, demand.reason, _source(where), cost)
@@ -188,7 +229,7 @@ def explain(program: PlacedProgram, max_alternatives: int = 3) -> Explanation:
     for node, ns in program.table.items():
         inside = tuple(ns.internal[program.chosen[node]]) if ns.internal else ()
         if inside:
-            cost = sum(program.alpha_beta.time(s) for s in inside) * 1e6
+            cost = sum(step_time(program.alpha_beta, s) for s in inside) * 1e6
             p = ns.outputs[program.chosen[node]][0]
             assert p is not None
             why = f"inside {node.target} (vescale's handler)"
@@ -210,7 +251,7 @@ def explain(program: PlacedProgram, max_alternatives: int = 3) -> Explanation:
             for i, demand in enumerate(by_consumer.get(node, [])):
                 src = program.placements(demand.value)
                 needed = program.steps(demand.value, src, ns.input_placements[s][i])
-                total += sum(program.alpha_beta.time(st) for st in needed) * 1e6
+                total += sum(step_time(program.alpha_beta, st) for st in needed) * 1e6
             key = _fmt(outs[0]) if len(outs) == 1 else "/".join(_fmt(o) for o in outs)
             alts[key] = min(total, alts.get(key, float("inf")))
         chosen_outs = ns.outputs[program.chosen[node]]
@@ -231,4 +272,51 @@ def explain(program: PlacedProgram, max_alternatives: int = 3) -> Explanation:
         dict(program.timings_s),
         solution=program.solution,
         buckets=dict(buckets),
+        memory={} if program.memory is None else program.memory.of(program.chosen),
+        budget=None if program.memory is None else program.memory.budget,
+        recipe=recipe(program),
     )
+
+
+def recipe(program: PlacedProgram) -> str:
+    """The hand-written recipe the choice amounts to, per mesh dim: ``DDP`` (batch split,
+    parameters replicated: gradients reduced), ``FSDP`` (batch split, parameters sharded:
+    gathered before use, gradients reduce-scattered), ``TP`` (batch whole, parameters
+    sharded), ``replicated``; by the majority of trained parameter bytes (the share when
+    not all), e.g. ``"FSDP over dp x TP over tp"``."""
+    joint, mesh = program.joint, program.mesh
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    by_name = {n.name: n for n in program.table}
+    nparams = len(joint.param_names) + len(joint.buffer_names)
+    batch: set[int] = set()
+    for ph in joint.placeholder_names[nparams:]:
+        placements = program.placements((by_name[ph], None))
+        batch.update(d for d, p in enumerate(placements) if p.is_shard())
+    trained = set(joint.grad_of.values())
+    weights: list[Counter[str]] = [Counter() for _ in range(mesh.ndim)]
+    for owner, ph in zip(joint.param_names, joint.placeholder_names):
+        if owner not in trained:
+            continue
+        node = by_name[ph]
+        size = node.meta["val"].numel()
+        for d, p in enumerate(program.placements((node, None))):
+            split = d in batch
+            kind = (
+                ("FSDP" if split else "TP") if p.is_shard() else ("DDP" if split else "replicated")
+            )
+            weights[d][kind] += size
+    parts: list[tuple[str, list[str]]] = []
+    for d, w in enumerate(weights):
+        if mesh.size(d) == 1 or not w:
+            continue
+        kind, n = w.most_common(1)[0]
+        share = n / sum(w.values())
+        label = kind if share == 1 else f"{kind} ({share:.0%} of parameter bytes)"
+        same = next((p for p in parts if p[0] == label), None)
+        if same is None:
+            parts.append((label, [names[d]]))
+        else:
+            same[1].append(names[d])
+    if not parts:
+        return "one device's program on every rank (nothing split)"
+    return " x ".join(f"{label} over {'+'.join(dims)}" for label, dims in parts)

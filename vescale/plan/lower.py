@@ -90,10 +90,11 @@ def _gather_parameters(program: PlacedProgram, env: dict[torch.fx.Node, Any]) ->
                 todo[(demand.value[0], dst)] = src
     gathered = {}
     for (node, dst), src in todo.items():
-        m, p = next((i, p) for i, p in enumerate(src) if not isinstance(p, Replicate))
+        sharded = {i: p for i, p in enumerate(src) if not isinstance(p, Replicate)}
+        p = next(iter(sharded.values()))  # one Shard(d) over one mesh dim or a flattened group
         assert isinstance(p, Shard)
         t = env[node] if p.dim == 0 else env[node].transpose(0, p.dim)
-        mid = tuple(Replicate() if i == m else q for i, q in enumerate(t.placements))
+        mid = tuple(Replicate() if i in sharded else q for i, q in enumerate(t.placements))
         gathered[(node, dst)] = (t.redistribute(program.mesh, mid), p.dim)
     return {
         key: to_placements(t if d == 0 else t.transpose(0, d), program, key[1])
@@ -103,14 +104,16 @@ def _gather_parameters(program: PlacedProgram, env: dict[torch.fx.Node, Any]) ->
 
 def _outputs(program: PlacedProgram, values: list[Any]) -> tuple[Any, ...]:
     """The output leaves in their demanded placements: the bucketed gradients' all-reduces
-    first, all of them, then every local move."""
+    and reduce-scatters first, all of them, then every local move."""
     demands = program.demands[-len(values) :]
     reduced = []
     for t, demand in zip(values, demands):
         src = tuple(t.placements) if isinstance(t, _UpstreamDTensor) else None
-        if src is not None and program.bucketed(demand, src, program.required(demand)):
+        dst = program.required(demand)
+        if src is not None and program.bucketed(demand, src, dst):
+            (step,) = program.steps(demand.value, src, dst)
             mid = tuple(Replicate() if isinstance(p, Partial) else p for p in src)
-            t = t.redistribute(program.mesh, mid)
+            t = t.redistribute(program.mesh, dst if step.kind == "reduce_scatter" else mid)
         reduced.append(t)
     return tuple(to_placements(t, program, program.required(d)) for t, d in zip(reduced, demands))
 

@@ -15,15 +15,22 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from vescale import _progress
 from vescale._torch_compat import pytree
+from vescale.dtensor.redistribute import flatten_mesh_dims, flattened_mesh
 from vescale.plan.capture import JointGraph
 from vescale.plan.cost import (
     AlphaBeta,
     CommStep,
     bucketed_step,
+    flat_bucketed_step,
+    flattened_steps,
+    group_of,
     local_bytes,
     redistribution_steps,
+    step_time,
+    strategy_compute_s,
 )
 from vescale.plan.handlers import handler_strategies
+from vescale.plan.memory import Memory, memory_model
 from vescale.plan.propagate import NodeStrategies, Placements, Value, propagate, value_of
 from vescale.plan.solve import (
     Demand,
@@ -34,6 +41,7 @@ from vescale.plan.solve import (
     solve_once,
     solving_group,
 )
+from vescale.plan.validate import PlanError
 
 __all__ = ["PlacedProgram", "place"]
 
@@ -53,6 +61,8 @@ class PlacedProgram:
     solver: str
     timings_s: dict[str, float] = field(default_factory=dict)
     solution: Solution | None = None
+    flat: bool = False  # a same-kind step over several mesh dims: one flattened collective
+    memory: Memory | None = None
 
     def placements(self, value: Value) -> Placements:
         node, k = value
@@ -71,10 +81,11 @@ class PlacedProgram:
         (:func:`vescale.plan.cost.bucketed_step`)."""
         if demand.bucket is None or src == dst:
             return False
-        return _bucketed_step(self.mesh, demand.bucket, demand.value, src, dst) is not None
+        step = _bucketed_step(self.mesh, demand.bucket, demand.value, src, dst, self.flat)
+        return step is not None
 
     def steps(self, value: Value, src: Placements, dst: Placements) -> list[CommStep]:
-        return _steps(self.mesh, value, src, dst) or []
+        return _steps(self.mesh, value, src, dst, self.flat) or []
 
     @functools.cached_property
     def parameter_nodes(self) -> list[torch.fx.Node]:
@@ -84,6 +95,12 @@ class PlacedProgram:
         return [
             n for n in self.joint.gm.graph.nodes if n.op == "call_function" and n not in activations
         ]
+
+    def input_placements(self) -> list[Placements]:
+        """The chosen placements of the model inputs, in argument order."""
+        nargs = len(self.joint.param_names) + len(self.joint.buffer_names)
+        by_name = {n.name: n for n in self.table}
+        return [self.placements((by_name[ph], None)) for ph in self.joint.placeholder_names[nargs:]]
 
     def param_placements(self) -> dict[str, Placements]:
         names = self.joint.placeholder_names
@@ -102,35 +119,57 @@ def _held(mesh: DeviceMesh, t: torch.Tensor, placements: Placements) -> int:
     return local_bytes(placements, tuple(t.shape), t.element_size(), tuple(mesh.shape))
 
 
+def flattens(mesh: DeviceMesh) -> bool:
+    """Whether a same-kind step over several dims of ``mesh`` runs as one collective over
+    their flattened group (a named mesh whose flattened meshes exist; created here, on every
+    rank, so the compiled step finds them; a meta mesh: as a real one of its shape)."""
+    if mesh.ndim < 2 or not mesh.mesh_dim_names:
+        return False
+    if mesh.device_type == "meta":
+        return True
+    flatten_mesh_dims(mesh)
+    return flattened_mesh(mesh, range(mesh.ndim)) is not None
+
+
 def _steps(
-    mesh: DeviceMesh, value: Value, src: Placements, dst: Placements
+    mesh: DeviceMesh, value: Value, src: Placements, dst: Placements, flat: bool
 ) -> list[CommStep] | None:
     t = _val(value)
-    return redistribution_steps(src, dst, tuple(t.shape), t.element_size(), tuple(mesh.shape))
+    steps = flattened_steps if flat else redistribution_steps
+    return steps(src, dst, tuple(t.shape), t.element_size(), tuple(mesh.shape))
 
 
 def _bucketed_step(
-    mesh: DeviceMesh, bucket: str, value: Value, src: Placements, dst: Placements
+    mesh: DeviceMesh, bucket: str, value: Value, src: Placements, dst: Placements, flat: bool
 ) -> CommStep | None:
     t = _val(value)
-    return bucketed_step(bucket, src, dst, tuple(t.shape), t.element_size(), tuple(mesh.shape))
+    shape, itemsize = tuple(t.shape), t.element_size()
+    if flat:
+        return flat_bucketed_step(bucket, src, dst, shape, itemsize, tuple(mesh.shape))
+    return bucketed_step(bucket, src, dst, shape, itemsize, tuple(mesh.shape))
 
 
 def place(
     joint: JointGraph,
     mesh: DeviceMesh,
-    fixed: dict[str, Placements],
+    fixed: dict[str, Placements | list[Placements]],
     output_placements: Sequence[Placements] | None,
     alpha_beta: AlphaBeta,
     solver: str = "global",
     buckets: bool = False,
+    memory_budget: int | None = None,
+    optimizer: str = "sgd",
 ) -> PlacedProgram:
-    """Propagate strategies over ``joint`` (placeholders named in ``fixed`` are fixed) and
-    choose per node with ``solver`` ("global" or "greedy"). The model output must arrive in
-    ``output_placements`` (default replicated); gradients in their parameters' placements.
-    ``buckets``: the step is compiled with the ``bucket`` pass on, so the parameters' gathers
-    and the gradients' all-reduces are priced (and issued) as buckets."""
+    """Propagate strategies over ``joint`` (placeholders named in ``fixed`` are fixed, or
+    chosen among a list of placements) and choose per node with ``solver`` ("global" or
+    "greedy"). The model output must arrive in ``output_placements`` (default replicated);
+    gradients in their parameters' placements. ``buckets``: the step is compiled with the
+    ``bucket`` pass on, so the parameters' gathers and the gradients' all-reduces are priced
+    (and issued) as buckets. ``memory_budget``: bytes per rank the choice may hold
+    (:mod:`vescale.plan.memory`, ``optimizer``'s state included); :class:`PlanError` naming
+    the smallest budget that fits when none does."""
     start = time.perf_counter()
+    flat = flattens(mesh)
     with _progress.stage("propagate") as shown:
         table = propagate(joint.gm, mesh, fixed, handler_strategies)
         shown.detail = f"{len(table)} nodes"
@@ -138,6 +177,8 @@ def place(
     activations = _derived_from_inputs(joint)
     demands = _demands(joint, mesh, table, output_placements, activations if buckets else None)
     dp_dims = _data_parallel_dims(joint, fixed, mesh)
+    memory = memory_model(joint, table, mesh, optimizer, memory_budget)
+    check_budget(memory, None)
 
     def cost(value: Value, a: Placements, b: Placements) -> float | None:
         t = _val(value)
@@ -169,17 +210,21 @@ def place(
     def shape_cost(
         shape: tuple[int, ...], itemsize: int, activation: bool, a: Placements, b: Placements
     ) -> float | None:
-        steps = redistribution_steps(a, b, shape, itemsize, tuple(mesh.shape))
+        steps = (flattened_steps if flat else redistribution_steps)(
+            a, b, shape, itemsize, tuple(mesh.shape)
+        )
         if steps is None:
             return None
         penalty = 0.0
-        if activation and any(s.mesh_dim in dp_dims and s.kind == "all_gather" for s in steps):
+        if activation and any(
+            s.kind == "all_gather" and dp_dims.intersection(group_of(s)) for s in steps
+        ):
             penalty = DP_GATHER_PENALTY_US  # data-parallel work stays split (_data_parallel_dims)
-        return penalty + sum(alpha_beta.time(s) for s in steps) * 1e6
+        return penalty + sum(step_time(alpha_beta, s) for s in steps) * 1e6
 
     def compute(node: torch.fx.Node, s: int) -> float:
         ns = table[node]
-        if ns.source in ("plan", "free", "constant"):
+        if ns.source in ("plan", "free", "constant", "input"):
             return 0.0
         held = 0
         for value, p in zip(ns.inputs, ns.input_placements[s]):
@@ -190,20 +235,54 @@ def place(
             if q is not None and isinstance(v, torch.Tensor):
                 held += _held(mesh, v, q)
         inside = ns.internal[s] if ns.internal else ()
-        return (alpha_beta.gamma * held + sum(alpha_beta.time(c) for c in inside)) * 1e6
+        out = ns.outputs[s][0] or ()
+        work = strategy_compute_s(alpha_beta, node, out, tuple(mesh.shape), held)
+        return (work + sum(step_time(alpha_beta, c) for c in inside)) * 1e6
 
     def latency(bucket: str, value: Value, a: Placements, b: Placements) -> dict[Any, float]:
-        step = _bucketed_step(mesh, bucket, value, a, b)
+        step = _bucketed_step(mesh, bucket, value, a, b, flat)
         if step is None:
             return {}
-        return {(step.kind, step.mesh_dim): alpha_beta.alpha[step.mesh_dim] * 1e6}
+        return {(step.kind, group_of(step)): alpha_beta.latency(step) * 1e6}
 
-    problem = Problem(table, demands, cost, compute, pair_costs, latency)
+    problem = Problem(table, demands, cost, compute, pair_costs, latency, memory)
     solve = solve_global if solver == "global" else solve_greedy
     solution = solve_once(solve, problem, solving_group(mesh))  # rank 0's, when it spans the world
+    check_budget(memory, solution.chosen)  # every rank holds the same choice: the same error
     timings = {"propagate": propagated - start, "solve": time.perf_counter() - propagated}
     return PlacedProgram(
-        joint, mesh, table, solution.chosen, demands, alpha_beta, solver, timings, solution
+        joint,
+        mesh,
+        table,
+        solution.chosen,
+        demands,
+        alpha_beta,
+        solver,
+        timings,
+        solution,
+        flat,
+        memory,
+    )
+
+
+def check_budget(memory: Memory, chosen: dict[torch.fx.Node, int] | None) -> None:
+    """:class:`PlanError` when no choice fits ``memory.budget`` (``chosen``: the solver's,
+    over budget when even the leanest choice it could reach is), naming the smallest budget
+    that fits."""
+    if memory.budget is None:
+        return
+    least = memory.least()
+    if chosen is None and memory.budget >= least:
+        return
+    if chosen is not None and memory.of(chosen)["total"] <= memory.budget:
+        return
+    fits = least if chosen is None else memory.of(chosen)["total"]
+    raise PlanError(
+        f"vescale.parallelize: memory_budget={memory.budget} bytes per rank fits no placement "
+        f"of this model ({memory.optimizer} state counted); the smallest budget that fits is "
+        f"{fits} bytes ({fits / 2**20:.2f} MiB): parameters, gradients and optimizer state "
+        f"sharded over every mesh dim, the batch split as far as the inputs allow. Raise "
+        f"memory_budget to at least {fits}, or shard more (a larger mesh, a lighter optimizer)."
     )
 
 
@@ -211,19 +290,23 @@ DP_GATHER_PENALTY_US = 1e6  # 1 s: taken only where no strategy keeps the batch 
 
 
 def _data_parallel_dims(
-    joint: JointGraph, fixed: dict[str, Placements], mesh: DeviceMesh
+    joint: JointGraph, fixed: dict[str, Placements | list[Placements]], mesh: DeviceMesh
 ) -> set[int]:
-    """Mesh dims on which the plan shards a model input along dim 0 (the batch). Gathering a
+    """Mesh dims on which the plan shards a model input along dim 0 (the batch), or over which
+    a :class:`vescale.plan.Batch` input may be split (on its batch dim). Gathering a
     value computed from the inputs over them costs :data:`DP_GATHER_PENALTY_US` more: the user
     asked for data parallelism there, and on models too small to amortize a gradient
     reduction the cost model alone would rather replicate the whole computation."""
     args = joint.placeholder_names[len(joint.param_names) + len(joint.buffer_names) :]
-    return {
-        d
-        for name in args
-        for d, p in enumerate(fixed.get(name, ()))
-        if isinstance(p, Shard) and p.dim == 0 and mesh.size(d) > 1
-    }
+    out = set()
+    for name in args:
+        given = fixed.get(name, ())
+        for d, p in enumerate(given) if not isinstance(given, list) else ():
+            if isinstance(p, Shard) and p.dim == 0 and mesh.size(d) > 1:
+                out.add(d)
+        for choice in given if isinstance(given, list) else ():
+            out.update(d for d, p in enumerate(choice) if p.is_shard() and mesh.size(d) > 1)
+    return out
 
 
 def _derived_from_inputs(joint: JointGraph) -> set[torch.fx.Node]:

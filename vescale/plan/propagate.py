@@ -52,7 +52,7 @@ class NodeStrategies:
     inputs: list[Value]
     outputs: list[tuple[Placements | None, ...]]
     input_placements: list[tuple[Placements, ...]]
-    source: str  # "registry", "replicated fallback: <why>", "plan", "constant", "free"
+    source: str  # "registry", "replicated fallback: <why>", "plan", "constant", "free", "input"
     candidates: dict[int, list[Placements]] = field(default_factory=dict)
     internal: list[tuple[Any, ...]] = field(default_factory=list)  # CommSteps inside the op
 
@@ -285,11 +285,12 @@ Refine = Callable[
 def propagate(
     gm: torch.fx.GraphModule,
     mesh: DeviceMesh,
-    fixed: dict[str, Placements],
+    fixed: dict[str, Placements | list[Placements]],
     refine: Refine | None = None,
 ) -> dict[torch.fx.Node, NodeStrategies]:
-    """Strategies of every node of ``gm`` (placeholders: ``fixed[name]`` or, when absent,
-    every placement of :func:`free_candidates`). Getitem nodes are not listed: consumers
+    """Strategies of every node of ``gm`` (placeholders: ``fixed[name]``, a list of them for
+    an input whose placements the solver chooses (:class:`vescale.plan.Batch`), or, when
+    absent, every placement of :func:`free_candidates`). Getitem nodes are not listed: consumers
     read ``(tuple node, index)`` directly. ``refine`` may replace a node's strategies
     before its consumers see them (:mod:`vescale.plan.handlers`)."""
     with _without_upstream_costs(), vescale_rules(True):  # the rules eager vescale uses
@@ -299,15 +300,20 @@ def propagate(
 def _propagate(
     gm: torch.fx.GraphModule,
     mesh: DeviceMesh,
-    fixed: dict[str, Placements],
+    fixed: dict[str, Placements | list[Placements]],
     refine: Refine | None,
 ) -> dict[torch.fx.Node, NodeStrategies]:
     table: dict[torch.fx.Node, NodeStrategies] = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             val = node.meta.get("val")
-            if node.name in fixed:
-                table[node] = NodeStrategies(node, [], [(fixed[node.name],)], [()], "plan")
+            given = fixed.get(node.name)
+            if isinstance(given, list):
+                table[node] = NodeStrategies(
+                    node, [], [(p,) for p in given], [()] * len(given), "input"
+                )
+            elif given is not None:
+                table[node] = NodeStrategies(node, [], [(given,)], [()], "plan")
             else:
                 table[node] = NodeStrategies(
                     node,

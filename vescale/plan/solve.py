@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from vescale import _progress
+from vescale.plan.memory import Memory
 from vescale.plan.propagate import NodeStrategies, Placements, Value
 from vescale.plan.validate import PlanError
 
@@ -85,6 +86,13 @@ class Problem:
     # A key's latency is paid once per bucket (e.g. one all-gather of every gathered
     # parameter), its bandwidth term per pair.
     latency: Callable[[str, Value, Placements, Placements], dict[Any, float]] | None = None
+    # bytes per rank of each node's strategies and the budget (one row ``<= budget``)
+    memory: Memory | None = None
+
+    def fits(self, chosen: dict[torch.fx.Node, int]) -> bool:
+        """Whether ``chosen`` holds no more than the memory budget (if any)."""
+        m = self.memory
+        return m is None or m.budget is None or m.of(chosen)["total"] <= m.budget
 
     def shared(self, demand: Demand, a: Placements, b: Placements) -> dict[Any, float]:
         """``{(bucket, key): us}``: the latencies of the pair ``a -> b`` of ``demand`` paid
@@ -277,6 +285,30 @@ class _Program:
         shape = (len(self.ub), len(self.costs))
         return scipy.sparse.csr_array((vals, (rows, cols)), shape=shape)
 
+    def budget_row(self, problem: Problem) -> Any:
+        """``sum bytes(n, s) x[n, s] <= budget`` scaled to ``<= 1`` (``None``: no budget)."""
+        import scipy.sparse
+
+        m = problem.memory
+        if m is None or m.budget is None:
+            return None
+        cols = [self.index[(n, s)] for n, per in m.per_strategy.items() for s in range(len(per))]
+        vals = [b / max(m.budget, 1) for per in m.per_strategy.values() for b in per]
+        shape = (1, len(self.costs))
+        return scipy.sparse.csr_array((vals, ([0] * len(cols), cols)), shape=shape)
+
+    def inequalities(self, problem: Problem) -> tuple[Any, np.ndarray | None]:
+        """The ``y <= z`` rows, then the budget row, and their right-hand sides."""
+        import scipy.sparse
+
+        parts = [m for m in (self.ub_matrix(), self.budget_row(problem)) if m is not None]
+        if not parts:
+            return None, None
+        rhs = np.zeros(sum(p.shape[0] for p in parts))
+        if self.budget_row(problem) is not None:
+            rhs[-1] = 1.0
+        return scipy.sparse.vstack(parts, format="csr"), rhs
+
     def price(self, duals: np.ndarray, ub_duals: np.ndarray) -> tuple[int, float]:
         """Add each edge's pairs of most negative reduced cost (per row and per column); how
         many were added, and the sum over edges of their minimum reduced cost (each edge's
@@ -315,7 +347,8 @@ def solve_global(problem: Problem, time_limit_s: float = TIME_LIMIT_S) -> Soluti
         ) from err
     deadline = time.monotonic() + time_limit_s
     greedy = solve_greedy(problem)
-    upper = greedy.objective_us * (1 + 1e-9) + 1e-9
+    # greedy's cost bounds the optimum only when it fits the budget
+    upper = greedy.objective_us * (1 + 1e-9) + 1e-9 if problem.fits(greedy.chosen) else np.inf
     edges = _edges(problem, upper)
     lp = _Program(problem, edges)
     for e, edge in enumerate(edges):  # start: pairs needing no move, and greedy's (feasible)
@@ -329,11 +362,11 @@ def solve_global(problem: Problem, time_limit_s: float = TIME_LIMIT_S) -> Soluti
     rounds, bound, best, best_x = 0, None, np.inf, None
     while time.monotonic() < deadline:
         rounds += 1
-        a_ub = lp.ub_matrix()
+        a_ub, b_ub = lp.inequalities(problem)
         result = scipy.optimize.linprog(
             np.asarray(lp.costs),
             A_ub=a_ub,
-            b_ub=None if a_ub is None else np.zeros(a_ub.shape[0]),
+            b_ub=b_ub,
             A_eq=lp.matrix(),
             b_eq=np.asarray(lp.rhs),
             bounds=(0, None),
@@ -347,14 +380,15 @@ def solve_global(problem: Problem, time_limit_s: float = TIME_LIMIT_S) -> Soluti
         ub_duals = np.asarray(result.ineqlin.marginals) if a_ub is not None else np.zeros(0)
         added, shortfall = lp.price(np.asarray(result.eqlin.marginals), ub_duals)
         bound = max(bound or -np.inf, float(result.fun) + shortfall)  # no choice is cheaper
-        if added == 0 or best - bound <= GAP * abs(best):
+        if added == 0 or (np.isfinite(best) and best - bound <= GAP * abs(best)):
             break
     x, status = best_x, f"column generation ({rounds} LPs), integral"
     if x is None:  # no integral LP solution: branch and bound over the priced pairs
         n = len(lp.costs)
         constraints = [scipy.optimize.LinearConstraint(lp.matrix(), lp.rhs, lp.rhs)]
-        if lp.ub:
-            constraints.append(scipy.optimize.LinearConstraint(lp.ub_matrix(), -np.inf, 0.0))
+        a_ub, b_ub = lp.inequalities(problem)
+        if a_ub is not None:
+            constraints.append(scipy.optimize.LinearConstraint(a_ub, -np.inf, b_ub))
         mip = scipy.optimize.milp(
             np.asarray(lp.costs),
             integrality=np.ones(n),
@@ -374,7 +408,7 @@ def solve_global(problem: Problem, time_limit_s: float = TIME_LIMIT_S) -> Soluti
         }
     )
     value = np.inf if chosen is None else objective(problem, chosen)
-    if chosen is None or value > greedy.objective_us:
+    if chosen is None or value > greedy.objective_us or not problem.fits(chosen):
         greedy.status = f"greedy: the global program found nothing cheaper ({status})"
         greedy.bound_us, greedy.greedy_us, greedy.pairs = bound, greedy.objective_us, pairs
         return greedy
@@ -395,7 +429,18 @@ def _greedy_pair(
 def solve_greedy(problem: Problem) -> Solution:
     """Nodes in graph order, each the strategy cheapest given its producers' choices (ties:
     the earliest), as eager dispatch chooses; placeholders the plan leaves open: replicated
-    (eager's default for unplanned parameters)."""
+    (eager's default for unplanned parameters). Over the memory budget: again with every node
+    that holds memory in its leanest strategy (placeholders the plan leaves open sharded)."""
+    solution = _greedy(problem, lean=False)
+    if problem.fits(solution.chosen):
+        return solution
+    lean = _greedy(problem, lean=True)
+    lean.status = "greedy, leanest placements (over the memory budget otherwise)"
+    return lean
+
+
+def _greedy(problem: Problem, lean: bool) -> Solution:
+    memory = problem.memory.per_strategy if problem.memory is not None and lean else {}
     by_consumer: dict[torch.fx.Node, list[Demand]] = {}
     for demand in problem.demands:
         node = demand.options[0][1]
@@ -403,13 +448,18 @@ def solve_greedy(problem: Problem) -> Solution:
             by_consumer.setdefault(node, []).append(demand)
     chosen: dict[torch.fx.Node, int] = {}
     for node, ns in problem.table.items():
-        if ns.source == "free":
+        if ns.source == "free" and node not in memory:
             chosen[node] = next(
                 s for s, out in enumerate(ns.outputs) if all(not p.is_shard() for p in out[0] or ())
             )
             continue
         best, best_cost = 0, float("inf")
-        for s in range(len(ns.outputs)):
+        allowed = range(len(ns.outputs))
+        if node in memory:
+            least = min(memory[node])
+            allowed = [s for s in allowed if memory[node][s] == least]
+            best = allowed[0]
+        for s in allowed:
             total = problem.compute(node, s)
             for demand in by_consumer.get(node, []):
                 producer, k = demand.value

@@ -32,6 +32,7 @@ from vescale._torch_compat import (
     OpSpec,
     OpStrategy,
     StridedShard,
+    disable_current_modes,
 )
 from vescale.dtensor.layout import empty_shard_dims, local_indices
 from vescale.dtensor.ops._registry import wrap_upstream_strategy
@@ -98,16 +99,18 @@ def _flat(indices: Sequence[Any], shape: Sequence[int], dims: list[int]) -> Any:
 def _maps_elements(src: DTensorSpec, dst: DTensorSpec, shape: Sequence[int]) -> bool:
     """Whether, on every rank, the local reshape of ``src``'s shard holds exactly ``dst``'s
     shard of global ``shape``, in order (each group of dims the reshape maps onto each other
-    compared apart)."""
+    compared apart). Index arithmetic on real tensors, also while a compile traces under
+    fake tensors (where ``torch.equal`` would raise and the view be refused)."""
     if src.mesh != dst.mesh or math.prod(shape) == 0:
         return True
     groups = _dim_groups(list(src.shape), list(shape))
-    for coord in itertools.product(*(range(n) for n in src.mesh.shape)):
-        ins = local_indices(src.shape, src.mesh, src.placements, coord)
-        outs = local_indices(shape, dst.mesh, dst.placements, coord)
-        for a, b in groups:
-            if not torch.equal(_flat(ins, src.shape, a), _flat(outs, shape, b)):
-                return False
+    with disable_current_modes():
+        for coord in itertools.product(*(range(n) for n in src.mesh.shape)):
+            ins = local_indices(src.shape, src.mesh, src.placements, coord)
+            outs = local_indices(shape, dst.mesh, dst.placements, coord)
+            for a, b in groups:
+                if not torch.equal(_flat(ins, src.shape, a), _flat(outs, shape, b)):
+                    return False
     return True
 
 

@@ -1,0 +1,159 @@
+"""The plan path's choice space on a small GPT with an empty plan and a free batch
+(``Batch("dp", "tp")``) on a (dp=2, tp=2) mesh, and its memory budget.
+
+* No budget: the data-parallel program over all four ranks (DDP-4) is chosen: parameters
+  replicated, the batch split over both mesh dims, every gradient reduced by one all-reduce
+  over the flattened group of the four ranks, all of them one bucket: the compiled step's
+  collectives are counted from its graph; losses and parameters equal one device.
+* A budget below what replicated parameters and gradients alone hold: every parameter is
+  sharded (FSDP-like: gathered before use, gradients reduce-scattered); the parameter bytes
+  each rank really holds equal the report's, which is under the budget; losses equal one
+  device.
+* A budget nothing fits: the same :class:`PlanError` on every rank, naming the smallest
+  budget that fits; that budget fits and one byte less does not (meta mesh, no ranks).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import vescale
+from tests.harness.misuse import error_everywhere
+from tests.plan.gpt_cases import gpt_mesh, train
+from vescale import Replicate
+from vescale.plan import AlphaBeta, Batch, PlanError
+from vescale.plan.capture import capture_joint
+from vescale.plan.program import place
+
+# fixed costs (20 us, 1 GB/s, 10 GB/s memory, 10 GFLOP/s): the choice does not depend on load
+COSTS = AlphaBeta((20e-6, 20e-6), (1e-9, 1e-9), 1e-10, flops_rate=10e9)
+FREE = Batch("dp", "tp")
+
+
+def _cfg(vocab: int):  # type: ignore[no-untyped-def]
+    import gpt
+
+    return gpt.GPTConfig(vocab=vocab, seq=16, dim=32, heads=4, layers=1)
+
+
+def _param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _placed(vocab: int, budget: int | None, compile: bool = True):  # type: ignore[no-untyped-def]
+    """The GPT placed from an empty plan and a free batch, trained 3 SGD steps and checked
+    against one device (losses and parameters within 1e-5)."""
+    import gpt
+
+    torch._dynamo.reset()
+    cfg = _cfg(vocab)
+    batches = [gpt.batch(cfg, i) for i in range(3)]
+    ref_losses, ref_params = train(gpt.build(cfg), batches)
+    model = vescale.parallelize(
+        gpt.build(cfg),
+        gpt_mesh(),
+        {},
+        inputs=[FREE, FREE],
+        example_inputs=batches[0],
+        alpha_beta=COSTS,
+        compile=compile,
+        options={"codegen": "fx"},
+        memory_budget=budget,
+        progress=False,
+    )
+    losses, params = train(model, batches)
+    assert all(abs(a - b) < 1e-5 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    for k, v in params.items():
+        torch.testing.assert_close(v, ref_params[k], atol=1e-5, rtol=0, msg=k)
+    return model
+
+
+def _check_ddp() -> dict:
+    from vescale.backend import capture_graphs
+    from vescale.fx.collectives import collective_table
+
+    with capture_graphs() as graphs:  # the placed step, compiled at its first call
+        model = _placed(64, None)
+    placements = {tuple(p.placements) for p in model.module.parameters()}
+    records = [r for g in graphs for r in collective_table(g.gm, g.name)]
+    return {
+        "placements": placements,
+        "inputs": model.input_placements,
+        "recipe": model.explain().recipe,
+        "collectives": [(r["kind"], tuple(r["group_ranks"]), r["bytes"]) for r in records],
+        "param_bytes": _param_bytes(model.module),
+    }
+
+
+def test_empty_plan_free_batch_is_ddp_over_both_mesh_dims(pool4):
+    for out in pool4.run(_check_ddp, timeout_s=900):
+        rep = (Replicate(), Replicate())
+        assert out["placements"] == {rep}, out["placements"]
+        assert out["inputs"] == [(vescale.Shard(0), vescale.Shard(0))] * 2, out["inputs"]
+        assert out["recipe"] == "DDP over dp+tp", out["recipe"]
+        # the step: one all-reduce over the four ranks holding every gradient and the loss
+        # value (one float32), and the two scalar all-reduces of the loss's token count
+        # (vescale's nll_loss handler, over dp and over tp); nothing else
+        *scalars, bucket = sorted(out["collectives"], key=lambda c: c[2])
+        assert bucket == ("all_reduce", (0, 1, 2, 3), out["param_bytes"] + 4), bucket
+        assert [(k, len(g), b) for k, g, b in scalars] == [("all_reduce", 2, 4)] * 2, scalars
+
+
+def _check_budget(budget: int) -> dict:
+    model = _placed(1024, budget)
+    report = model.explain()
+    local = sum(p.to_local().numel() * p.element_size() for p in model.module.parameters())
+    return {
+        "placements": {n: tuple(p.placements) for n, p in model.module.named_parameters()},
+        "memory": report.memory,
+        "local_param_bytes": local,
+        "recipe": report.recipe,
+        "summary": report.summary(),
+    }
+
+
+def test_budget_below_replicated_parameters_shards_them(pool4):
+    import gpt
+
+    # replicated parameters and their gradients alone (SGD: no state) would fill the budget
+    budget = 2 * _param_bytes(gpt.build(_cfg(1024)))
+    for out in pool4.run(_check_budget, budget, timeout_s=900):
+        replicated = [n for n, p in out["placements"].items() if all(q.is_replicate() for q in p)]
+        assert not replicated, replicated
+        assert out["memory"]["parameters"] == out["local_param_bytes"], out["memory"]
+        assert out["memory"]["total"] <= budget, (out["memory"], budget)
+        assert out["recipe"].startswith("FSDP"), out["summary"]
+        assert f"budget {budget / 2**20:.2f} MiB" in out["summary"], out["summary"]
+
+
+def _infeasible() -> None:
+    _placed(64, 1000, compile=False)
+
+
+def test_infeasible_budget_names_the_smallest_that_fits(pool4):
+    error = error_everywhere(pool4, _infeasible, timeout_s=300)
+    assert error.kind == "PlanError", error
+    assert "memory_budget=1000 bytes per rank fits no placement" in error.message, error
+    least = int(re.search(r"smallest budget that fits is (\d+) bytes", error.message)[1])
+    # the same number from a meta mesh (no ranks): it fits, one byte less does not
+    import gpt
+
+    mesh = vescale.DeviceMesh("meta", torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp"))
+    cfg = _cfg(64)
+    example = gpt.batch(cfg, 0)
+    model = gpt.build(cfg)
+    joint = capture_joint(model, example)
+    from vescale.plan.batch import batch_choices
+
+    nparams = len(list(model.parameters()))
+    free = {
+        ph: batch_choices("x", FREE, t, mesh)
+        for ph, t in zip(joint.placeholder_names[nparams:], example)
+    }
+    program = place(joint, mesh, free, None, COSTS, buckets=True, memory_budget=least)
+    assert program.memory is not None and program.memory.of(program.chosen)["total"] <= least
+    with pytest.raises(PlanError, match=f"smallest budget that fits is {least} bytes"):
+        place(joint, mesh, free, None, COSTS, buckets=True, memory_budget=least - 1)
