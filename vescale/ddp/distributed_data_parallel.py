@@ -31,10 +31,11 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale._torch_compat import get_proxy_mode
-from vescale.ddp.bucketing import BUCKET_CAP_KEY, DEFAULT_BUCKET_CAP_MB, cap_bytes
+from vescale.ddp.bucketing import BUCKET_CAP_KEY, DEFAULT_BUCKET_CAP_MB
 from vescale.ddp.reducer import Reducer
 from vescale.dtensor.api import redistribute_dtensor, wait_local
 from vescale.dtensor.redistribute import flattened_mesh
@@ -48,7 +49,7 @@ def _names(names: list[str]) -> str:
     )
 
 
-def _check_params(module: nn.Module, dp_mesh: Any) -> None:
+def _check_params(module: nn.Module, dp_mesh: DeviceMesh | None) -> None:
     """The parameters fit: plain ones need ``dp_mesh`` (a 1-D mesh); see the module doc."""
     params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     plain = [n for n, p in params if not isinstance(p, _UpstreamDTensor)]
@@ -86,11 +87,13 @@ class DistributedDataParallel(nn.Module):
     parameters are this wrapper's parameters (``ddp.parameters()`` feeds the optimizer)."""
 
     def __init__(
-        self, module: nn.Module, bucket_cap_mb: float | None = None, *, dp_mesh: Any = None
+        self,
+        module: nn.Module,
+        bucket_cap_mb: float | None = None,
+        *,
+        dp_mesh: DeviceMesh | None = None,
     ) -> None:
         super().__init__()
-        if bucket_cap_mb is not None:
-            cap_bytes(bucket_cap_mb)  # checked here, not at the first backward
         _check_params(module, dp_mesh)
         self.module = module
         self.bucket_cap_mb = bucket_cap_mb
