@@ -127,7 +127,7 @@ def compute_local_shape_at(
 ) -> tuple[int, ...]:
     """The local shape of the shard at mesh ``coordinate`` (any rank's, not only this one's)."""
     shape, _ = _compute_local_shape_and_global_offset(
-        global_shape, mesh_shape, list(coordinate), placements, skip_offset=True
+        list(global_shape), list(mesh_shape), list(coordinate), placements, skip_offset=True
     )
     return tuple(int(s) for s in shape)
 

@@ -21,7 +21,7 @@ import itertools
 import json
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -57,6 +57,7 @@ from vescale.passes import (
     fingerprint,
     schedule,
 )
+from vescale.passes.fingerprint import from_local_calls
 
 __all__ = [
     "PASSES_OFF",
@@ -126,7 +127,10 @@ def capture_graphs() -> Iterator[list[CompiledGraph]]:
         _captures.remove(graphs)
 
 
-def _graph_compiler(opts: BackendOptions, name: str) -> Any:
+def _graph_compiler(opts: BackendOptions, name: str, calls: Sequence[str] = ()) -> Any:
+    """The AOT compiler of graph ``name``; ``calls``: the Dynamo graph's ``from_local`` calls,
+    compared across ranks (with the collectives) before the forward graph's first run."""
+
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         if name.endswith(".backward"):  # compiled at the first backward: a stage of its own
             with _progress.stage(f"compile {name}"):
@@ -145,7 +149,7 @@ def _graph_compiler(opts: BackendOptions, name: str) -> Any:
         compiled = _codegen(gm, example_inputs, opts, name)
         if not opts.rank_check:
             return compiled
-        return _rank_checked(compiled, name, ctx.reports["fingerprint"])
+        return _rank_checked(compiled, name, [*calls, *ctx.reports["fingerprint"]])
 
     return compile_graph
 
@@ -203,7 +207,7 @@ def vescale_backend(
             "partition_fn": min_cut_rematerialization_partition,
         }
     aot = aot_autograd(
-        fw_compiler=_graph_compiler(opts, f"graph{gid}.forward"),
+        fw_compiler=_graph_compiler(opts, f"graph{gid}.forward", from_local_calls(gm)),
         bw_compiler=_graph_compiler(opts, f"graph{gid}.backward"),
         **extra,
     )

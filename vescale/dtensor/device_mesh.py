@@ -125,7 +125,7 @@ class DeviceMesh(_UpstreamDeviceMesh):
         text = super().__repr__()
         if ", Mesh: " in text:  # TORCH_DISTRIBUTED_DEBUG=DETAIL prints the ranks already
             return text
-        ranks = self.mesh.tolist()
+        ranks = str(self.mesh.tolist())
         if self.mesh.numel() > 64:
             flat = [str(r) for r in self.mesh.flatten().tolist()]
             ranks = f"[{', '.join(flat[:8])}, ..., {', '.join(flat[-8:])}] ({len(flat)} ranks)"

@@ -108,7 +108,7 @@ def _groups(mesh: Any) -> list[dist.ProcessGroup]:
 def _all_gather_rows(row: torch.Tensor, groups: list[dist.ProcessGroup]) -> torch.Tensor:
     out = row
     for group in groups:
-        out = wait_local(funcol.all_gather_tensor(out.contiguous(), 0, group))
+        out = wait_local(funcol.all_gather_single(out.contiguous(), 0, group))
     return out.cpu().view(-1, row.numel())
 
 
@@ -137,59 +137,52 @@ def _ranks(ranks: Sequence[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
 
 
-def _by_value(values: dict[int, Any], show: Callable[[Any], str] = str) -> str:
+def _by_value(values: dict[int, Any]) -> str:
     """``"A on ranks [0, 1], B on rank 2"`` (values in order of their first rank)."""
     groups: dict[Any, list[int]] = {}
     for rank, v in sorted(values.items()):
         groups.setdefault(v, []).append(rank)
-    return ", ".join(f"{show(v)} on {_ranks(r)}" for v, r in groups.items())
-
-
-def _shape(s: Sequence[int] | None) -> str:
-    return str(tuple(s)) if s is not None else "no tensor"
-
-
-def _same(
-    records: list[LocalRecord], field: Callable[[LocalRecord], Any], what: str, fix: str, where: str
-) -> None:
-    values = {r.rank: field(r) for r in records}
-    if len(set(values.values())) > 1:
-        raise ValueError(
-            f"from_local: {what} differ across the ranks of {where}: {_by_value(values)}; {fix}"
-        )
+    return ", ".join(f"{v} on {_ranks(r)}" for v, r in groups.items())
 
 
 def _local_errors(records: list[LocalRecord], mesh: Any, own: Exception | None) -> None:
-    failed = [r for r in records if r.error is not None]
+    failed = [(r.rank, r.error) for r in records if r.error is not None]
     if not failed:
         return
-    texts = {r.error for r in failed}
-    if own is not None and len(failed) == len(records) and len(texts) == 1:
+    if own is not None and len(failed) == len(records) and len({e for _, e in failed}) == 1:
         raise own  # the same error everywhere: each rank raises its own, as is
-    cls = _ERRORS.get(failed[0].error[0], RuntimeError)  # type: ignore[index]
-    shown = "; ".join(f"rank {r.rank}: {r.error[1]}" for r in failed)  # type: ignore[index]
+    cls = _ERRORS.get(failed[0][1][0], RuntimeError)
+    shown = "; ".join(f"rank {rank}: {text}" for rank, (_, text) in failed)
     raise cls(
-        f"from_local failed on {_ranks([r.rank for r in failed])} of the {len(records)} ranks "
-        f"of {mesh} (every rank raises this): {shown}"
+        f"from_local failed on {_ranks([rank for rank, _ in failed])} of the {len(records)} "
+        f"ranks of {mesh} (every rank raises this): {shown}"
     )
 
 
-def _global_shape(
-    records: list[LocalRecord], mesh: Any, placements: Sequence[Any]
-) -> tuple[int, ...]:
+Shapes = dict[int, tuple[int, ...]]  # rank -> local shape
+
+
+def _global_shape(shapes: Shapes, mesh: Any, placements: Sequence[Any]) -> tuple[int, ...]:
     """Each tensor dim: the sum of the local sizes over the mesh dims sharding it (the other
     mesh coordinates at 0), else the (common) local size."""
-    by_rank = {r.rank: r.shape for r in records}
-    shape = []
-    for d in range(len(records[0].shape)):  # type: ignore[arg-type]
+    out = []
+    for d in range(len(next(iter(shapes.values())))):
         dims = [m for m, p in enumerate(placements) if p.is_shard(d)]
         grid = mesh.mesh[tuple(slice(None) if m in dims else 0 for m in range(mesh.ndim))]
-        shape.append(sum(by_rank[r][d] for r in grid.flatten().tolist()))  # type: ignore[index]
-    return tuple(shape)
+        out.append(sum(shapes[r][d] for r in grid.flatten().tolist()))
+    return tuple(out)
+
+
+def _coordinates(mesh: Any) -> dict[int, tuple[int, ...]]:
+    """Rank -> its mesh coordinate, for every rank of ``mesh``."""
+    out: list[tuple[int, ...]] = [()]
+    for n in mesh.mesh.shape:
+        out = [(*i, k) for i in out for k in range(n)]
+    return {int(mesh.mesh[idx]): idx for idx in out}
 
 
 def _misfit(
-    records: list[LocalRecord],
+    shapes: Shapes,
     mesh: Any,
     placements: Sequence[Any],
     gshape: tuple[int, ...],
@@ -197,27 +190,26 @@ def _misfit(
     derived: bool,
 ) -> None:
     """Raise if any rank's local shape is not its shard of ``gshape``."""
-    coords = {int(r): c for c, r in _coordinates(mesh)}
+    coords = _coordinates(mesh)
     bad = {}
-    for rec in records:
-        want = compute_local_shape_at(gshape, mesh.shape, coords[rec.rank], spec_placements)
-        if rec.shape != want:
-            bad[rec.rank] = (rec.shape, want)
+    for rank, have in sorted(shapes.items()):
+        want = compute_local_shape_at(gshape, mesh.shape, coords[rank], spec_placements)
+        if have != want:
+            bad[rank] = (have, want)
     if not bad:
         return
     rank = min(bad)
     have, want = bad[rank]
-    dim = next(d for d, (a, b) in enumerate(zip(have, want)) if a != b)  # type: ignore[arg-type]
+    dim = next(d for d, (a, b) in enumerate(zip(have, want)) if a != b)
     dims = [m for m, p in enumerate(placements) if p.is_shard(dim)]
-    if derived and dims:  # the sizes along the innermost mesh dim sharding ``dim``, as chunked
+    if derived and dims:  # the sizes along the innermost mesh dim sharding ``dim``
         m = dims[-1]
         index = list(coords[rank])
         line = []
         for c in range(mesh.size(m)):
             index[m] = c
             line.append(int(mesh.mesh[tuple(index)]))
-        by_rank = {r.rank: r.shape for r in records}
-        sizes = [by_rank[r][dim] for r in line]  # type: ignore[index]
+        sizes = [shapes[r][dim] for r in line]
         total = sum(sizes)
         raise ValueError(
             f"from_local: local sizes {sizes} of tensor dim {dim} along mesh dim {m} (ranks "
@@ -225,9 +217,7 @@ def _misfit(
             f"ranks ({chunk_sizes(total, len(line))}) for placements {tuple(placements)}; "
             f"rank i must hold chunk i (or pass shape= and stride=)"
         )
-    shown = "; ".join(
-        f"rank {r} has {_shape(h)}, expected {_shape(w)}" for r, (h, w) in bad.items()
-    )
+    shown = "; ".join(f"rank {r} has {h}, expected {w}" for r, (h, w) in bad.items())
     raise ValueError(
         f"from_local: local shape does not match the shard of global shape {tuple(gshape)} "
         f"with placements {tuple(placements)} on {mesh} on {_ranks(sorted(bad))}: {shown}; "
@@ -235,22 +225,10 @@ def _misfit(
     )
 
 
-def _coordinates(mesh: Any) -> list[tuple[tuple[int, ...], int]]:
-    ranks = mesh.mesh
-    return [(tuple(int(i) for i in idx), int(ranks[idx])) for idx in _indices(ranks.shape)]
-
-
-def _indices(shape: Sequence[int]) -> list[tuple[int, ...]]:
-    out: list[tuple[int, ...]] = [()]
-    for n in shape:
-        out = [(*i, k) for i in out for k in range(n)]
-    return out
-
-
 def check_records(
     records: list[LocalRecord],
     mesh: Any,
-    placements: Sequence[Any],
+    placements: Sequence[Any] | None,
     spec_placements: Callable[[tuple[int, ...]], Sequence[Any]],
     *,
     own_error: Exception | None = None,
@@ -261,59 +239,50 @@ def check_records(
     ``shape=``/``stride=`` and ``ndim`` are the same everywhere; tensor dims no mesh dim
     shards have the same size everywhere; every rank's local shape is its shard of the global
     shape (``shape=``, else the sum of the local sizes along the sharding mesh dims).
+    ``placements``: this rank's (normalized; ``None`` only where its checks failed).
     ``spec_placements(global_shape)`` gives the placements of the spec (and raises, the same
     everywhere, for a global shape they cannot lay out). ``own_error``: what this rank's
     argument checks raised (re-raised as is when every rank raised the same).
     """
     _local_errors(records, mesh, own_error)
-    where = f"{mesh}"
-    with_pl = f"(placements {tuple(placements)})"
-    _same(
-        records,
-        lambda r: r.placements,
-        "placements",
-        "pass the same placements on every rank",
-        where,
-    )
-    _same(
-        records,
-        lambda r: r.dtype,
-        f"local tensor dtypes {with_pl}",
-        "convert every rank's local tensor to one dtype",
-        where,
-    )
-    _same(
-        records,
+    assert placements is not None  # this rank's checks passed
+    pl = tuple(placements)
+
+    def same(field: Callable[[LocalRecord], Any], what: str, fix: str) -> None:
+        values = {r.rank: field(r) for r in records}
+        if len(set(values.values())) > 1:
+            raise ValueError(
+                f"from_local: {what} differ across the ranks of {mesh}: {_by_value(values)}; {fix}"
+            )
+
+    same(lambda r: r.placements, "placements", "pass the same placements on every rank")
+    same(lambda r: r.dtype, f"local tensor dtypes (placements {pl})", "use one dtype")
+    same(
         lambda r: r.device,
-        f"local tensor device types {with_pl}",
+        f"local tensor device types (placements {pl})",
         f"put every local tensor on {mesh.device_type}",
-        where,
     )
-    _same(
-        records,
+    same(
         lambda r: "none" if r.given is None else f"shape={r.given[0]}, stride={r.given[1]}",
-        f"shape=/stride= {with_pl}",
+        f"shape=/stride= (placements {pl})",
         "pass the same global shape and stride on every rank",
-        where,
     )
-    _same(
-        records,
-        lambda r: len(r.shape),  # type: ignore[arg-type]
-        f"local tensor ndims {with_pl}",
+    shapes: Shapes = {r.rank: r.shape for r in records if r.shape is not None}
+    same(
+        lambda r: len(shapes[r.rank]),
+        f"local tensor ndims (placements {pl})",
         "every rank's local tensor must have the same number of dims",
-        where,
     )
-    ndim = len(records[0].shape)  # type: ignore[arg-type]
-    whole = [d for d in range(ndim) if not any(p.is_shard(d) for p in placements)]
-    shapes = {r.rank: r.shape for r in records}
-    differ = [d for d in whole if len({s[d] for s in shapes.values()}) > 1]  # type: ignore[index]
+    ndim = len(shapes[records[0].rank])
+    whole = [d for d in range(ndim) if not any(p.is_shard(d) for p in pl)]
+    differ = [d for d in whole if len({s[d] for s in shapes.values()}) > 1]
     if differ:
         raise ValueError(
             f"from_local: local shapes differ across the ranks of {mesh} in tensor dims "
-            f"{differ}, which placements {tuple(placements)} do not shard: "
-            f"{_by_value(shapes, _shape)}; those dims must have the same size on every rank"
+            f"{differ}, which placements {pl} do not shard: {_by_value(shapes)}; those dims "
+            f"must have the same size on every rank"
         )
     given = records[0].given
-    gshape = given[0] if given is not None else _global_shape(records, mesh, placements)
-    _misfit(records, mesh, placements, gshape, spec_placements(gshape), given is None)
+    gshape = given[0] if given is not None else _global_shape(shapes, mesh, pl)
+    _misfit(shapes, mesh, pl, gshape, spec_placements(gshape), given is None)
     return gshape
