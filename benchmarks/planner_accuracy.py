@@ -17,7 +17,8 @@ Predicted, in the one cost model (:mod:`vescale.cost`): ``planner`` is the solve
 of the joint graph (``explain().solution``, less the data-parallel penalty if it took one)
 plus the SGD step (one op per parameter over its local bytes); ``timeline`` the
 ``schedule.json`` timeline of the compiled graphs (after the bucket pass: the collectives the
-step really issues) plus the same SGD estimate. Measured: every program is built and warmed
+step really issues) plus the same SGD estimate; a program whose capture failed runs eagerly
+(no timeline, shown as such, left out of the "compiled programs only" correlations). Measured: every program is built and warmed
 up, then ``--steps`` rounds time one step of each in turn (rank 0's medians: a shared
 machine's load drifts, so all medians come from the same stretch). Printed: the table,
 Spearman's rank correlation of each prediction with the measurements, and the solver's
@@ -27,6 +28,7 @@ choice (``solver``) against the fastest measured program.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -159,7 +161,7 @@ def _build(cfg: gpt.GPTConfig, mesh: Any, program: Program, cost: CostModel) -> 
     solution = model.explain().solution
     assert solution is not None
     planner = solution.objective_us % DP_GATHER_PENALTY_US  # less a penalty it took, if any
-    tl_us, collectives = _timeline_us(graphs)
+    tl_us, collectives = _timeline_us(graphs) if graphs else (math.nan, -1)  # -1: eager
     opt_us = _optimizer_us(model.module, cost, tuple(mesh.shape))
     return Row(planner + opt_us, tl_us + opt_us, opt_us, collectives, step)
 
@@ -246,15 +248,19 @@ def _report(rows: dict[str, Row]) -> None:
     for name, row in rows.items():
         print(
             f"| {name} | {row.planner_us / 1e3:.1f} | {row.timeline_us / 1e3:.1f} | "
-            f"{measured[name]:.1f} | {row.collectives} |"
+            f"{measured[name]:.1f} | "
+            f"{row.collectives if row.collectives >= 0 else 'eager (capture failed)'} |"
         )
     names = list(rows)
     meas = [measured[n] for n in names]
+    compiled = [n for n in names if rows[n].collectives >= 0]
     for label, pred in (
         ("planner", [rows[n].planner_us for n in names]),
-        ("timeline", [rows[n].timeline_us for n in names]),
+        ("planner, compiled programs only", [rows[n].planner_us for n in compiled]),
+        ("timeline, compiled programs only", [rows[n].timeline_us for n in compiled]),
     ):
-        print(f"Spearman({label}, measured) = {_spearman(pred, meas):.3f}")
+        sub = meas if len(pred) == len(names) else [measured[n] for n in compiled]
+        print(f"Spearman({label}, measured) = {_spearman(pred, sub):.3f}")
     if "solver" in measured:
         best = min(meas)
         fastest = names[meas.index(best)]

@@ -1,13 +1,16 @@
 """Measure the cost model's constants on the actual machine and process groups, once.
 
-:func:`calibrate` (a collective: every rank of the world calls it) times, interleaved so a
-drifting load hits every measurement alike, ``TRIALS`` rounds of: an all-reduce of 1 KiB and
-of 4 MiB over each mesh dim's group and over the whole mesh (a flattened group, 2+ dims);
-20 one-element adds (the per-op overhead), a 256x256x256 matmul and a 4 MiB element-wise
-multiply. Each rank takes the median of each; the ranks agree on the maximum of the medians
-(one all-reduce), so every rank holds identical constants; ``alpha``/``beta`` come from the
-two sizes (``alpha + beta * wire``), and every constant is rounded to a power of
-``2 ** (1/4)`` (:func:`vescale.cost.model.quantize`).
+:func:`calibrate` (a collective: every rank of the world calls it) times ``TRIALS``
+interleaved rounds (a drifting load hits every probe alike) of the compute probes: 1000
+one-element adds (the per-op overhead), 8 matmuls of 256x256x256 and 8 element-wise
+multiplies of 4 MiB, each sample long enough that a shared CPU's time slicing is in it, as
+it is in a training step. Then, after a barrier (so no rank waits for another's compute),
+``TRIALS`` interleaved rounds of all-reduces of 1 KiB and 4 MiB over each mesh dim's group
+and over the whole mesh (a flattened group, 2+ dims). Each rank takes the median of each
+probe; the ranks agree on the maximum of the medians (one all-reduce), so every rank holds
+identical constants; ``alpha``/``beta`` come from the two sizes (``alpha + beta * wire``),
+and every constant is rounded to a power of ``2 ** (1/4)``
+(:func:`vescale.cost.model.quantize`).
 
 Cached: in the process, and on disk in ``$VESCALE_CACHE_DIR`` (default
 ``~/.cache/vescale``), one JSON file per machine (the ranks' host names), mesh shape, backend
@@ -41,8 +44,12 @@ __all__ = ["TRIALS", "cache_path", "calibrate", "calibrated"]
 TRIALS = 25
 SIZES = (256, 1 << 20)  # float32 elements of the small and the large all-reduce
 _MM = 256  # matmul side
-_ADDS = 20  # one-element adds per sample of the per-op overhead (a timer tick is ~1 us)
-_FORMAT = 2  # of the cache file; a change invalidates every file
+# Compute probes run ~5-10 ms of work per sample, several scheduler time slices: on a CPU
+# shared with other processes their median includes the share of time the process is not
+# running, as a training step's ops do (a probe shorter than a slice would not).
+_ADDS = 1000  # one-element adds per sample of the per-op overhead
+_REPEAT = 8  # matmuls / multiplies per sample
+_FORMAT = 3  # of the cache file; a change invalidates every file
 _cache: dict[str, CostModel] = {}
 _by_shape: dict[tuple[tuple[int, ...], str], CostModel] = {}  # for readers off the mesh
 
@@ -134,10 +141,10 @@ def _measure(mesh: DeviceMesh) -> CostModel:
     one = torch.ones(1)
     a = torch.randn(_MM, _MM)
     big = torch.randn(SIZES[1])
-    probes: list[Callable[[], object]] = [
+    probes: list[Callable[[], object]] = [  # each ~as long as a time slice (see _REPEAT)
         lambda: [torch.add(one, one) for _ in range(_ADDS)],
-        lambda: torch.mm(a, a),
-        lambda: torch.mul(big, 2.0),
+        lambda: [torch.mm(a, a) for _ in range(_REPEAT)],
+        lambda: [torch.mul(big, 2.0) for _ in range(_REPEAT)],
     ]
     for _, group, _ in groups:
         for buf in bufs:
@@ -145,15 +152,19 @@ def _measure(mesh: DeviceMesh) -> CostModel:
     for probe in probes:  # warm-up
         probe()
     samples: list[list[float]] = [[] for _ in probes]
-    for _ in range(TRIALS):  # interleaved: a load change affects every probe alike
-        for i, probe in enumerate(probes):
-            samples[i].append(_timed(probe))
+    # compute first, then (after a barrier) collectives: a collective timed right after a
+    # long compute probe would wait for the slowest rank's probe, not for the network
+    for phase in (range(3), range(3, len(probes))):
+        dist.barrier()
+        for _ in range(TRIALS):  # interleaved: a load change affects every probe alike
+            for i in phase:
+                samples[i].append(_timed(probes[i]))
     medians = torch.tensor([statistics.median(s) for s in samples], dtype=torch.float64)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # every rank: the same numbers
     t = medians.tolist()
     op_s = t[0] / _ADDS
-    flops_rate = 2.0 * _MM**3 / max(t[1] - op_s, 1e-9)
-    gamma = max(t[2] - op_s, 1e-9) / (2 * big.numel() * big.element_size())
+    flops_rate = 2.0 * _MM**3 / max(t[1] / _REPEAT - op_s, 1e-9)
+    gamma = max(t[2] / _REPEAT - op_s, 1e-9) / (2 * big.numel() * big.element_size())
     fits = []
     for j, (_, _, n) in enumerate(groups):
         small, large = t[3 + 2 * j], t[4 + 2 * j]
