@@ -235,7 +235,7 @@ def parallelize(
         with _progress.stage("capture") as stage:
             joint = capture_joint(model, example_inputs)
             stage.detail = f"{len(joint.gm.graph.nodes)} nodes"
-        fixed = {
+        fixed: dict[str, Placements | list[Placements]] = {
             ph: fixed_by_name[n]
             for n, ph in zip(names, joint.placeholder_names)
             if n in fixed_by_name

@@ -454,7 +454,7 @@ def _greedy(problem: Problem, lean: bool) -> Solution:
             )
             continue
         best, best_cost = 0, float("inf")
-        allowed = range(len(ns.outputs))
+        allowed = list(range(len(ns.outputs)))
         if node in memory:
             least = min(memory[node])
             allowed = [s for s in allowed if memory[node][s] == least]

@@ -1,0 +1,201 @@
+"""The plan path with an empty plan and a free batch against hand-written upstream recipes.
+
+    torchrun --standalone --nproc-per-node 4 benchmarks/vs_recipes.py [--cfg tiny|medium] [--steps 10]
+
+The plain GPT of ``examples/gpt.py`` (global batch 8; a step is forward, backward and SGD):
+
+* ``upstream DDP-4 + inductor``: ``torch.nn.parallel.DistributedDataParallel`` over the world,
+  ``torch.compile`` (Inductor), each rank feeding its batch shard;
+* ``upstream FSDP2-4 + inductor``: ``fully_shard`` per block and at the root over the world,
+  each block compiled with Inductor;
+* ``upstream TP+FSDP2 2-D``: the torchtitan-style recipe of ``benchmarks/compiled_step.py``
+  (tensor parallel over tp, FSDP2 over dp, blocks compiled with Inductor);
+* ``parallelize, empty plan``: ``vescale.parallelize(model, mesh, {}, inputs=[Batch("dp",
+  "tp")] * 2)`` with calibrated costs: the solver chooses every placement;
+* ``parallelize, empty plan, budget``: the same with ``memory_budget`` below what the first
+  choice holds per rank (half of its parameter, gradient and optimizer bytes taken away), so
+  replicated parameters do not fit.
+
+Every mode is built and warmed up first; then ``--steps`` rounds time one step of each mode
+in turn (medians on rank 0 over the same stretch of a shared machine's load). Each mode's
+first-step loss (the global mean) must equal one device's within 1e-5. Ratios: each
+``parallelize`` row over the fastest upstream row, and the budget row over the fastest
+upstream row whose parameters are sharded (DDP holds replicated ones, which the budget
+excludes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh as upstream_init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as UpstreamDDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import compiled_step
+import gpt
+
+import vescale
+from vescale.plan import Batch, calibrate
+
+CONFIGS = {
+    "tiny": gpt.GPTConfig(vocab=128, seq=32, dim=64, heads=4, layers=4),
+    "medium": gpt.GPTConfig(vocab=1024, seq=128, dim=256, heads=8, layers=4),
+}
+BATCH = 8
+Step = compiled_step.Step
+_summaries: dict[str, str] = {}
+
+
+def _my_rows(cfg: gpt.GPTConfig, i: int, ranks: int, rank: int) -> tuple[torch.Tensor, ...]:
+    rows = BATCH // ranks
+    return tuple(a[rank * rows : (rank + 1) * rows] for a in gpt.batch(cfg, i))
+
+
+def _ddp(cfg: gpt.GPTConfig) -> Step:
+    model = torch.compile(UpstreamDDP(gpt.build(cfg)), backend="inductor")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    batches = [_my_rows(cfg, i, world, rank) for i in range(4)]
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), batches
+
+
+def _fsdp(cfg: gpt.GPTConfig) -> Step:
+    mesh = upstream_init_device_mesh("cpu", (dist.get_world_size(),))
+    model = gpt.build(cfg)
+    for block in model.blocks:
+        block.compile(backend="inductor")
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    batches = [_my_rows(cfg, i, world, rank) for i in range(4)]
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), batches
+
+
+def _titan(cfg: gpt.GPTConfig) -> Step:
+    compiled_step.CFG = cfg  # its recipe builds compiled_step.CFG
+    return compiled_step._titan_step()
+
+
+def _plan(cfg: gpt.GPTConfig, mesh: Any, name: str, budget: int | None) -> Step:
+    free = Batch("dp", "tp")
+    model = vescale.parallelize(
+        gpt.build(cfg),
+        mesh,
+        {},
+        inputs=[free, free],
+        example_inputs=gpt.batch(cfg, 0),
+        alpha_beta=calibrate(mesh),
+        memory_budget=budget,
+    )
+    report = model.explain()
+    _summaries[name] = report.summary()
+    _summaries[name + " memory"] = report.memory  # type: ignore[assignment]
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), [gpt.batch(cfg, i) for i in range(4)]
+
+
+def _global_loss(loss: torch.Tensor) -> float:
+    """The step's global mean loss: a DTensor's value, else the mean of the ranks' (equal
+    shards)."""
+    if isinstance(loss, vescale.DTensor) or hasattr(loss, "full_tensor"):
+        return float(loss.full_tensor().item())
+    value = loss.detach().clone()
+    dist.all_reduce(value)
+    return float(value.item()) / dist.get_world_size()
+
+
+def _prepare(build: Callable[[], Step]) -> compiled_step._Mode:
+    """Build a mode, run its first step (compile; global loss kept) and two more."""
+    model, opt, batches = build()
+
+    def step(i: int = 0) -> Any:
+        loss = model(*batches[i % len(batches)])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    loss = step(0)
+    first = time.perf_counter() - t0
+    value = _global_loss(loss)
+    step(1)
+    step(2)
+    return compiled_step._Mode(step, first, value, *compiled_step._count(step))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cfg", choices=sorted(CONFIGS), default="tiny")
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    cfg = CONFIGS[args.cfg]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=900))
+    mesh = vescale.init_device_mesh(
+        "cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp")
+    )
+    ref = gpt.build(cfg)(*gpt.batch(cfg, 0)).item()  # one device, first step's loss
+    modes: dict[str, compiled_step._Mode] = {
+        "upstream DDP-4 + inductor": _prepare(lambda: _ddp(cfg)),
+        "upstream FSDP2-4 + inductor": _prepare(lambda: _fsdp(cfg)),
+        "upstream TP+FSDP2 2-D": _prepare(lambda: _titan(cfg)),
+    }
+    free, budgeted = "parallelize, empty plan", "parallelize, empty plan, budget"
+    modes[free] = _prepare(lambda: _plan(cfg, mesh, free, None))
+    need: Any = _summaries[free + " memory"]
+    budget = need["total"] - (need["parameters"] + need["gradients"] + need["optimizer"]) // 2
+    modes[budgeted] = _prepare(lambda: _plan(cfg, mesh, budgeted, budget))
+    bad = {n: m.loss for n, m in modes.items() if abs(m.loss - ref) > 1e-5 * max(abs(ref), 1)}  # type: ignore[operator]
+    if bad:
+        raise AssertionError(f"first-step losses differ from one device's {ref}: {bad}")
+    compiled_step._time_interleaved(modes, args.steps)
+    if dist.get_rank() == 0:
+        _print(cfg, modes, ref, need["total"], budget)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _print(
+    cfg: gpt.GPTConfig, modes: dict[str, compiled_step._Mode], ref: float, need: int, budget: int
+) -> None:
+    med = {n: statistics.median(m.times) for n, m in modes.items()}
+    print(f"GPT {cfg}, batch {BATCH}, 4 gloo CPU ranks, SGD step; one-device loss {ref:.6f}")
+    print("| mode | step ms | colls/step | KiB/step | compile s | loss 0 |")
+    print("|---|---|---|---|---|---|")
+    for n, m in modes.items():
+        print(
+            f"| {n} | {med[n] * 1e3:.1f} | {m.collectives} | {m.nbytes / 1024:.1f} | "
+            f"{m.first_s - med[n]:.1f} | {m.loss:.6f} |"
+        )
+    upstream = {n: t for n, t in med.items() if n.startswith("upstream")}
+    best = min(upstream, key=upstream.__getitem__)
+    sharded = {n: t for n, t in upstream.items() if "DDP" not in n}
+    best_fit = min(sharded, key=sharded.__getitem__)
+    print(
+        f"parallelize, empty plan / {best}: {med['parallelize, empty plan'] / upstream[best]:.2f}"
+    )
+    print(
+        f"parallelize, empty plan, budget ({budget} B < DDP's {need} B) / {best_fit}: "
+        f"{med['parallelize, empty plan, budget'] / sharded[best_fit]:.2f}"
+    )
+    for name in ("parallelize, empty plan", "parallelize, empty plan, budget"):
+        print(f"\n{name} (rank 0's solve):\n{_summaries[name]}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no profiler start/stop lines
+    main()
