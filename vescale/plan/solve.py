@@ -521,7 +521,7 @@ def on_first_rank(fn: Callable[[], T], what: str, group: dist.ProcessGroup) -> T
 
 def _summary(solution: Solution) -> str:
     gap = solution.gap
-    return solution.status + ("" if gap is None else f", gap {gap:.1%}")
+    return solution.status + ("" if gap is None else f", gap {gap:.2%}")
 
 
 def solve_once(
