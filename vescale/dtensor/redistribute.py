@@ -114,14 +114,15 @@ def wait_local(t: torch.Tensor) -> torch.Tensor:
 def replicate_to_partial(
     local: torch.Tensor, reduce_op: str, coordinate: int | torch.SymInt
 ) -> torch.Tensor:
-    """Local partition of a replicated value so that ``reduce_op`` over ranks restores it."""
-    if reduce_op in ("avg", "max", "min") or coordinate == 0:
+    """Local partition of a replicated value so that ``reduce_op`` over ranks restores it.
+    The same ops on every rank (a ``where`` on the coordinate): ``zeros_like`` off coordinate
+    0 would drop ``local``'s producer from a compiled graph there, collectives included."""
+    if reduce_op in ("avg", "max", "min"):
         return local
-    if reduce_op == "sum":
-        return torch.zeros_like(local)
-    if reduce_op == "product":
-        return torch.ones_like(local)
-    raise ValueError(f"Replicate -> Partial({reduce_op}) is not supported")
+    if reduce_op not in ("sum", "product"):
+        raise ValueError(f"Replicate -> Partial({reduce_op}) is not supported")
+    keep = torch.full((), coordinate == 0, dtype=torch.bool, device=local.device)
+    return torch.where(keep, local, 0 if reduce_op == "sum" else 1)
 
 
 def redistribute_local_tensor(
