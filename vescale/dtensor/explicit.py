@@ -38,7 +38,7 @@ from vescale._torch_compat import (
 )
 from vescale.dtensor import api
 from vescale.dtensor.dtensor import VescaleSpec
-from vescale.dtensor.placement_types import Placement, spec_placements
+from vescale.dtensor.placement_types import Placement, is_norm_partial, spec_placements
 from vescale.dtensor.redistribute import strided_communicates
 
 __all__ = [
@@ -119,6 +119,25 @@ def _dynamo_propagating() -> bool:
     return torch.compiler.is_compiling() and get_proxy_mode() is None
 
 
+def _communicates(src: DTensorSpec, dst: DTensorSpec) -> bool:
+    # cheap for local slices; upstream prices strided-shard steps at 0
+    return redistribute_cost(src, dst) > 0 or strided_communicates(src, dst)
+
+
+def _finishes_norm(src: DTensorSpec, dst: DTensorSpec) -> bool:
+    """Whether ``src -> dst`` communicates only to reduce a norm's pending partial
+    (:func:`~vescale.dtensor.placement_types.is_norm_partial`): the last step of a norm the
+    caller asked for (a norm is a reduction), deferred so that a norm of norms
+    (``clip_grad_norm_``'s total over per-parameter norms) reduces once."""
+    if not any(is_norm_partial(p) for p in src.placements):
+        return False
+    rest = tuple(
+        d if is_norm_partial(s) and not d.is_partial() else s
+        for s, d in zip(src.placements, dst.placements)
+    )
+    return not _communicates(DTensorSpec(src.mesh, rest, tensor_meta=src.tensor_meta), dst)
+
+
 _upstream_observe = ExplicitRedistributionContext.observe_redistribution
 
 
@@ -128,8 +147,8 @@ def observe_redistribution(
     """Upstream's observer of implicit redistributions, plus explicit mode for vescale DTensors."""
     if (
         type(src_spec) is VescaleSpec
-        # first: cheap for local slices; upstream prices strided-shard steps at 0
-        and (redistribute_cost(src_spec, dst_spec) > 0 or strided_communicates(src_spec, dst_spec))
+        and _communicates(src_spec, dst_spec)  # first: cheap for local slices
+        and not _finishes_norm(src_spec, dst_spec)
         and explicit_redistribute_enabled()
         and torch._C._current_graph_task_id() == -1  # not inside backward: see module docstring
         and not _dynamo_propagating()

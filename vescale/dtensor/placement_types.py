@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor.placement_types import Partial as _UpstreamPartial
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
@@ -29,6 +30,7 @@ from vescale.dtensor.layout import interleave_divides, interleaved_sizes
 
 __all__ = [
     "DTensorSpec",
+    "ExtremumNormPartial",
     "InterleavedShard",
     "Partial",
     "Placement",
@@ -36,6 +38,7 @@ __all__ = [
     "Shard",
     "TensorMeta",
     "check_interleaved",
+    "is_norm_partial",
     "normalize_placements",
     "spec_placements",
     "user_placements",
@@ -56,6 +59,38 @@ def is_private_partial(p: object) -> bool:
     its reduction is its own (e.g. masking and offsetting an index) and only upstream's
     planner performs it."""
     return isinstance(p, _UpstreamPartial) and type(p) not in (_UpstreamPartial, Partial)
+
+
+def is_norm_partial(p: object) -> bool:
+    """A norm's own pending reduction: upstream's ``_NormPartial`` (p-norms) or
+    :class:`ExtremumNormPartial` (±inf norms). Only a norm op makes one, so reducing it
+    finishes a norm the caller asked for."""
+    return isinstance(p, _NormPartial)
+
+
+class ExtremumNormPartial(_NormPartial):
+    """A ±inf norm's pending max (``inf``) or min (``-inf``) over ranks of the per-rank norms:
+    ``Partial("max"/"min")`` that says it came from a norm (upstream's ``_NormPartial``
+    covers finite p only). Reduces, partitions and propagates like ``Partial("max"/"min")``."""
+
+    def __init__(self, norm_type: float) -> None:
+        _UpstreamPartial.__init__(self, "max" if norm_type > 0 else "min")
+        object.__setattr__(self, "norm_type", norm_type)
+
+    def _partition_value(self, tensor: torch.Tensor, mesh: Any, mesh_dim: int) -> torch.Tensor:
+        return tensor  # max (min) of copies is the value
+
+    def _pre_reduce_transform(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def _post_reduce_transform(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def __repr__(self) -> str:
+        return f"ExtremumNormPartial({self.norm_type})"
+
+    def __str__(self) -> str:
+        return f"_NormP({self.norm_type})"
 
 
 class _PartialMeta(type(_UpstreamPartial)):  # type: ignore[misc]

@@ -8,7 +8,10 @@ rank holding an empty shard of a reduced dim ((5, 7) as ``Shard(0)`` on 4 ranks 
 1 and 0 rows) raises while the others wait in the all-reduce until it times out (upstream's
 own DTensors do the same). Here the mesh dims sharding such a dim are replicated first (an
 all-gather; explicit mode applies), so no rank reduces an empty shard; every other norm runs
-as upstream runs it (local extrema combined as ``Partial(max)`` / ``Partial(min)``).
+as upstream runs it (local extrema combined as ``Partial(max)`` / ``Partial(min)``), the
+pending extremum of a ±inf norm marked as the norm's own (``ExtremumNormPartial``, like
+upstream's ``_NormPartial`` for finite p), so explicit mode lets a later op finish it
+(docs/explicit-mode.md).
 
 A norm's backward over all dims (``dim=None``) counts the extrema with
 ``sum(mask, dim=[], keepdim=True)``: an empty dim list reduces every dim, but upstream's
@@ -29,13 +32,14 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale._torch_compat import OpSchema
+from vescale._torch_compat import DTensorSpec, OpSchema
+from vescale.dtensor.dtensor import as_vescale_spec
 from vescale.dtensor.explicit import redistribute_for
 from vescale.dtensor.hooks import bypass_dispatch, pre_dispatch_patch, python_dispatch
 from vescale.dtensor.layout import empty_shard_dims
 from vescale.dtensor.op_args import bind, unbind
 from vescale.dtensor.ops._registry import wrap_upstream_strategy
-from vescale.dtensor.placement_types import Replicate
+from vescale.dtensor.placement_types import ExtremumNormPartial, Replicate
 
 __all__ = [
     "ALL_DIMS_OPS",
@@ -96,7 +100,22 @@ def inf_norm_without_empty_shards(
         a["self"] = [_without_empty_shards(op, t, set(range(t.ndim))) for t in x]
     else:
         a["self"] = _without_empty_shards(op, x, _reduced(x, a["dim"]))
-    return python_dispatch(op, *unbind(op, a))
+    out = python_dispatch(op, *unbind(op, a))
+    if op in INF_NORMS:
+        for t in out if isinstance(out, list | tuple) else (out,):
+            _mark_norm_partial(t, float(a["ord"]))
+    return out
+
+
+def _mark_norm_partial(t: _UpstreamDTensor, order: float) -> None:
+    """``t``'s pending max/min (a ±inf norm's result) marked as the norm's own
+    (:class:`ExtremumNormPartial`), so explicit mode lets the op that needs it reduced
+    finish the norm (docs/explicit-mode.md); a new spec, the cached one is shared."""
+    spec = t._spec
+    if not any(p.is_partial() for p in spec.placements):
+        return
+    placements = tuple(ExtremumNormPartial(order) if p.is_partial() else p for p in spec.placements)
+    t._spec = as_vescale_spec(DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta))
 
 
 def _all_dims(upstream: Callable[[OpSchema], Any]) -> Callable[[OpSchema], Any]:
