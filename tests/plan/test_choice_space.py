@@ -157,3 +157,60 @@ def test_infeasible_budget_names_the_smallest_that_fits(pool4):
     assert program.memory is not None and program.memory.of(program.chosen)["total"] <= least
     with pytest.raises(PlanError, match=f"smallest budget that fits is {least} bytes"):
         place(joint, mesh, free, None, COSTS, buckets=True, memory_budget=least - 1)
+
+
+@pytest.mark.parametrize(
+    ("spec", "shape", "message"),
+    [
+        (
+            Batch("dp", "pp"),
+            (8, 4),
+            r"inputs\[0\]: mesh dim 'pp' is not a dim of mesh\(dp=2, tp=2\)",
+        ),
+        (Batch("dp", 0), (8, 4), r"Batch\('dp', 0\) names a mesh dim of mesh\(dp=2, tp=2\) twice"),
+        (Batch(), (8, 4), r"Batch\(\) names no mesh dim"),
+        (Batch("dp", dim=2), (8, 4), r"splits dim 2, but the input has shape \(8, 4\)"),
+        (Batch("dp", "tp"), (3, 4), r"no set of the mesh dims \{'dp': 2, 'tp': 2\}.*size 3"),
+    ],
+)
+def test_batch_spec_errors_name_input_spec_and_mesh(spec: Batch, shape, message: str) -> None:
+    from vescale.plan.batch import batch_choices
+
+    mesh = vescale.DeviceMesh("meta", torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(PlanError, match=message):
+        batch_choices("inputs[0]", spec, torch.zeros(shape), mesh)
+
+
+def test_batch_choices_are_every_dividing_set_most_split_first() -> None:
+    from vescale import Shard
+    from vescale.plan.batch import batch_choices
+
+    mesh = vescale.DeviceMesh("meta", torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp"))
+    s, r = Shard(1), Replicate()
+    got = batch_choices("x", Batch("tp", "dp", dim=1), torch.zeros(3, 4), mesh)
+    assert got == [(s, s), (s, r), (r, s)]
+    assert batch_choices("x", Batch("dp", "tp", dim=1), torch.zeros(3, 2), mesh) == [(s, r), (r, s)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"memory_budget": 0}, PlanError, "memory_budget must be a positive int .* got 0"),
+        ({"memory_budget": 1.5e6}, PlanError, "memory_budget must be a positive int"),
+        ({"optimizer": "lion"}, ValueError, r"optimizer must be one of \['adagrad', 'adam'"),
+    ],
+)
+def test_budget_arguments_are_checked_before_tracing(kwargs, error, message) -> None:
+    import gpt
+
+    mesh = vescale.DeviceMesh("meta", torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp"))
+    cfg = _cfg(64)
+    with pytest.raises(error, match=message):
+        vescale.parallelize(
+            gpt.build(cfg),
+            mesh,
+            {},
+            inputs=[FREE, FREE],
+            example_inputs=gpt.batch(cfg, 0),
+            **kwargs,
+        )
