@@ -22,8 +22,9 @@ from tests.dtensor.reference import coord_of, expected_local, mesh_of
 from tests.harness.collectives import count_collectives
 from tests.harness.misuse import error_everywhere
 from vescale import Replicate, Shard
+from vescale.dtensor.local_metadata import LocalRecord, check_records
 
-ROWS = [3, 3, 2, 2]  # torch.chunk(10, 4): uneven, and consistent
+ROWS = [3, 3, 2, 2]  # uneven local row counts per rank
 
 
 def _mismatched_shape() -> None:
@@ -89,6 +90,38 @@ def test_one_rank_argument_error_raises_on_every_rank(pool4):
     assert err.kind == "ValueError"
     assert err.message.startswith("from_local failed on rank 1 of the 4 ranks"), err.message
     assert "rank 1: from_local: Shard(dim=2) on mesh dim 0 is out of range" in err.message
+
+
+def _records(placements, shapes, given=None):
+    return [
+        LocalRecord(r, s, "torch.float32", "cpu", str(placements), given, None)
+        for r, s in enumerate(shapes)
+    ]
+
+
+def test_records_checked_on_a_2d_mesh():
+    """The rules every rank applies to the gathered records, on a 2-D mesh (one process)."""
+    mesh = vescale.DeviceMesh("meta", [[0, 1], [2, 3]])
+
+    def check(placements, shapes, given=None):
+        pl = tuple(placements)
+        return check_records(_records(pl, shapes, given), mesh, pl, lambda _: pl)
+
+    # torch.chunk(10, 2) = 5, 5, each torch.chunk(5, 2) = 3, 2: nested shards sum up
+    s00 = (Shard(0), Shard(0))
+    assert check(s00, [(3, 4), (2, 4), (3, 4), (2, 4)]) == (10, 4)
+    with pytest.raises(ValueError, match=r"local sizes \[2, 3\] of tensor dim 0 along mesh dim 1 "):
+        check(s00, [(3, 4), (2, 4), (2, 4), (3, 4)])  # ranks 2, 3 swapped their chunks
+    s01 = (Shard(0), Shard(1))
+    assert check(s01, [(3, 2), (3, 1), (2, 2), (2, 1)]) == (5, 3)
+    with pytest.raises(ValueError) as err:  # rank 3's line sums to 3, the global size is 4
+        check(s01, [(3, 2), (3, 2), (2, 2), (2, 1)])
+    assert "sizes [2, 1] of tensor dim 1 along mesh dim 1 (ranks [2, 3])" in str(err.value)
+    assert "torch.chunk split of 4 over 2 ranks ([2, 2])" in str(err.value)
+    rr = (Replicate(), Replicate())
+    assert check(rr, [(4, 3)] * 4, ((4, 3), (3, 1))) == (4, 3)
+    with pytest.raises(ValueError, match=r"does not match the shard of global shape \(5, 3\)"):
+        check(rr, [(4, 3)] * 4, ((5, 3), (3, 1)))
 
 
 def _uneven(mesh_shape, placements, names=None):

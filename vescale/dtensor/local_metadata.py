@@ -14,6 +14,7 @@ error text) costs every rank a second all-gather, sized by the longest record.
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from vescale._torch_compat import compute_local_shape_at
-from vescale.dtensor.layout import chunk_sizes
+from vescale.dtensor.layout import contiguous_shards, local_range
 from vescale.dtensor.redistribute import flattened_mesh, wait_local
 
 __all__ = ["RECORD_BYTES", "LocalRecord", "check_records", "gather_records"]
@@ -105,11 +106,14 @@ def _groups(mesh: Any) -> list[dist.ProcessGroup]:
     return [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
 
 
-def _all_gather_rows(row: torch.Tensor, groups: list[dist.ProcessGroup]) -> torch.Tensor:
+def _all_gather(row: torch.Tensor, groups: list[dist.ProcessGroup]) -> list[bytes]:
+    """Every rank's ``row`` (bytes), after chained all-gathers over ``groups``."""
     out = row
     for group in groups:
         out = wait_local(funcol.all_gather_single(out.contiguous(), 0, group))
-    return out.cpu().view(-1, row.numel())
+    raw = out.cpu().numpy().tobytes()
+    n = row.numel()
+    return [raw[i : i + n] for i in range(0, len(raw), n)]
 
 
 def _padded(data: bytes, size: int, device: torch.device) -> torch.Tensor:
@@ -123,13 +127,13 @@ def gather_records(mine: LocalRecord, mesh: Any, device: torch.device) -> list[L
     data = mine.encode()
     groups = _groups(mesh)
     head = len(data).to_bytes(4, "little") + data[: RECORD_BYTES - 4]
-    rows = _all_gather_rows(_padded(head, RECORD_BYTES, device), groups)
-    lengths = [int.from_bytes(bytes(r[:4].tolist()), "little") for r in rows]
+    rows = _all_gather(_padded(head, RECORD_BYTES, device), groups)
+    lengths = [int.from_bytes(r[:4], "little") for r in rows]
     if max(lengths) <= RECORD_BYTES - 4:
-        payloads = [bytes(r[4 : 4 + n].tolist()) for r, n in zip(rows, lengths)]
+        payloads = [r[4 : 4 + n] for r, n in zip(rows, lengths)]
     else:  # every rank sees the same lengths, so every rank takes this branch
-        rows = _all_gather_rows(_padded(data, max(lengths), device), groups)
-        payloads = [bytes(r[:n].tolist()) for r, n in zip(rows, lengths)]
+        rows = _all_gather(_padded(data, max(lengths), device), groups)
+        payloads = [r[:n] for r, n in zip(rows, lengths)]
     return sorted((LocalRecord.decode(p) for p in payloads), key=lambda r: r.rank)
 
 
@@ -162,27 +166,46 @@ def _local_errors(records: list[LocalRecord], mesh: Any, own: Exception | None) 
 Shapes = dict[int, tuple[int, ...]]  # rank -> local shape
 
 
-def _global_shape(shapes: Shapes, mesh: Any, placements: Sequence[Any]) -> tuple[int, ...]:
+_COORDS: weakref.WeakKeyDictionary[Any, dict[int, tuple[int, ...]]] = weakref.WeakKeyDictionary()
+
+
+def _coordinates(mesh: Any) -> dict[int, tuple[int, ...]]:
+    """Rank -> its mesh coordinate, for every rank of ``mesh`` (cached: ``mesh.mesh`` is
+    rebuilt on every read upstream)."""
+    if mesh not in _COORDS:
+        grid = mesh.mesh
+        coords: list[tuple[int, ...]] = [()]
+        for n in grid.shape:
+            coords = [(*c, k) for c in coords for k in range(n)]
+        _COORDS[mesh] = dict(zip(grid.flatten().tolist(), coords))
+    return _COORDS[mesh]
+
+
+def _global_shape(
+    shapes: Shapes, coords: dict[int, tuple[int, ...]], placements: Sequence[Any]
+) -> tuple[int, ...]:
     """Each tensor dim: the sum of the local sizes over the mesh dims sharding it (the other
     mesh coordinates at 0), else the (common) local size."""
     out = []
     for d in range(len(next(iter(shapes.values())))):
-        dims = [m for m, p in enumerate(placements) if p.is_shard(d)]
-        grid = mesh.mesh[tuple(slice(None) if m in dims else 0 for m in range(mesh.ndim))]
-        out.append(sum(shapes[r][d] for r in grid.flatten().tolist()))
+        other = [m for m, p in enumerate(placements) if not p.is_shard(d)]
+        out.append(sum(shapes[r][d] for r, c in coords.items() if not any(c[m] for m in other)))
     return tuple(out)
 
 
-def _coordinates(mesh: Any) -> dict[int, tuple[int, ...]]:
-    """Rank -> its mesh coordinate, for every rank of ``mesh``."""
-    out: list[tuple[int, ...]] = [()]
-    for n in mesh.mesh.shape:
-        out = [(*i, k) for i in out for k in range(n)]
-    return {int(mesh.mesh[idx]): idx for idx in out}
+def _local_shape_at(
+    gshape: tuple[int, ...], mesh: Any, placements: Sequence[Any], coord: tuple[int, ...]
+) -> tuple[int, ...]:
+    """The shard's shape at mesh ``coord``: ``local_range`` for contiguous shards (plain
+    integers, fast), upstream's helper for interleaved ones."""
+    if not contiguous_shards(placements):
+        return compute_local_shape_at(gshape, mesh.shape, coord, placements)
+    return tuple(local_range(gshape, mesh, placements, d, coord)[1] for d in range(len(gshape)))
 
 
 def _misfit(
     shapes: Shapes,
+    coords: dict[int, tuple[int, ...]],
     mesh: Any,
     placements: Sequence[Any],
     gshape: tuple[int, ...],
@@ -190,32 +213,35 @@ def _misfit(
     derived: bool,
 ) -> None:
     """Raise if any rank's local shape is not its shard of ``gshape``."""
-    coords = _coordinates(mesh)
-    bad = {}
-    for rank, have in sorted(shapes.items()):
-        want = compute_local_shape_at(gshape, mesh.shape, coords[rank], spec_placements)
-        if have != want:
-            bad[rank] = (have, want)
+    sharding = [m for m, p in enumerate(placements) if p.is_shard()]
+    by_coord: dict[tuple[int, ...], tuple[int, ...]] = {}  # by the sharding mesh coordinates
+    want: dict[int, tuple[int, ...]] = {}
+    for rank in sorted(shapes):
+        c = coords[rank]
+        key = tuple(c[m] for m in sharding)
+        if key not in by_coord:
+            by_coord[key] = _local_shape_at(gshape, mesh, spec_placements, c)
+        want[rank] = by_coord[key]
+    bad = {r: (shapes[r], want[r]) for r in sorted(shapes) if shapes[r] != want[r]}
     if not bad:
         return
     rank = min(bad)
-    have, want = bad[rank]
-    dim = next(d for d, (a, b) in enumerate(zip(have, want)) if a != b)
+    dim = next(d for d, (a, b) in enumerate(zip(*bad[rank])) if a != b)
     dims = [m for m, p in enumerate(placements) if p.is_shard(dim)]
     if derived and dims:  # the sizes along the innermost mesh dim sharding ``dim``
         m = dims[-1]
-        index = list(coords[rank])
-        line = []
-        for c in range(mesh.size(m)):
-            index[m] = c
-            line.append(int(mesh.mesh[tuple(index)]))
+        mine = coords[rank]
+        line = sorted(
+            (r for r, c in coords.items() if all(c[k] == mine[k] for k in range(len(c)) if k != m)),
+            key=lambda r: coords[r][m],
+        )
         sizes = [shapes[r][dim] for r in line]
-        total = sum(sizes)
+        chunks = [want[r][dim] for r in line]
         raise ValueError(
             f"from_local: local sizes {sizes} of tensor dim {dim} along mesh dim {m} (ranks "
-            f"{line}) of {mesh} are not the torch.chunk split of {total} over {len(line)} "
-            f"ranks ({chunk_sizes(total, len(line))}) for placements {tuple(placements)}; "
-            f"rank i must hold chunk i (or pass shape= and stride=)"
+            f"{line}) of {mesh} are not the torch.chunk split of {sum(chunks)} over "
+            f"{len(line)} ranks ({chunks}) for placements {tuple(placements)} (global size "
+            f"{gshape[dim]}); rank i must hold chunk i (or pass shape= and stride=)"
         )
     shown = "; ".join(f"rank {r} has {h}, expected {w}" for r, (h, w) in bad.items())
     raise ValueError(
@@ -283,6 +309,7 @@ def check_records(
             f"must have the same size on every rank"
         )
     given = records[0].given
-    gshape = given[0] if given is not None else _global_shape(shapes, mesh, pl)
-    _misfit(shapes, mesh, pl, gshape, spec_placements(gshape), given is None)
+    coords = _coordinates(mesh)
+    gshape = given[0] if given is not None else _global_shape(shapes, coords, pl)
+    _misfit(shapes, coords, mesh, pl, gshape, spec_placements(gshape), given is None)
     return gshape
