@@ -1,4 +1,5 @@
-"""Every ``python`` code block of README.md and docs/*.md runs as shown (the doc is the source).
+"""Every ``python`` code block of the README and the docs folder runs as shown (the doc is the
+source).
 
 A block that starts with ``# torchrun ... --nproc-per-node N sample.py`` (optionally preceded by
 ``PYTHONPATH=examples``) runs under ``torch.distributed.run`` with N CPU ranks; any other block
