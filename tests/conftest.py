@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -8,6 +9,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # interpreter importing torch) in this process, its children or the pool's ranks (whose
 # forkserver inherits this environment), on a machine the ranks already oversubscribe.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# The plan path's calibration cache (vescale/cost/calibration.py) in a folder of this session's
+# own, inherited by the worker pools: tests neither read nor leave constants in ~/.cache/vescale.
+os.environ.setdefault("VESCALE_CACHE_DIR", tempfile.mkdtemp(prefix="vescale-test-cache-"))
 # The example models (examples/gpt.py, examples/train_demo.py) are test subjects too; worker
 # processes inherit this path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
