@@ -12,9 +12,9 @@ The plain GPT of ``examples/gpt.py`` (global batch 8; a step is forward, backwar
   (tensor parallel over tp, FSDP2 over dp, blocks compiled with Inductor);
 * ``parallelize, empty plan``: ``vescale.parallelize(model, mesh, {}, inputs=[Batch("dp",
   "tp")] * 2)`` with calibrated costs: the solver chooses every placement;
-* ``parallelize, empty plan, budget``: the same with ``memory_budget`` below what the first
-  choice holds per rank (half of its parameter, gradient and optimizer bytes taken away), so
-  replicated parameters do not fit.
+* ``parallelize, empty plan, budget``: the same with ``memory_budget`` = the leanest choice's
+  bytes per rank plus a quarter of the replicated parameter, gradient and optimizer bytes:
+  a choice with replicated parameters (DDP) does not fit, 4-way sharded ones do.
 
 Every mode is built and warmed up first; then ``--steps`` rounds time one step of each mode
 in turn (medians on rank 0 over the same stretch of a shared machine's load). Each mode's
@@ -110,6 +110,8 @@ def _plan(cfg: gpt.GPTConfig, mesh: Any, name: str, budget: int | None) -> Step:
     report = model.explain()
     _summaries[name] = report.summary()
     _summaries[name + " memory"] = report.memory  # type: ignore[assignment]
+    assert model.program.memory is not None
+    _summaries[name + " least"] = str(model.program.memory.least())
     return model, torch.optim.SGD(model.parameters(), lr=0.1), [gpt.batch(cfg, i) for i in range(4)]
 
 
@@ -141,7 +143,32 @@ def _prepare(build: Callable[[], Step]) -> compiled_step._Mode:
     value = _global_loss(loss)
     step(1)
     step(2)
-    return compiled_step._Mode(step, first, value, *compiled_step._count(step))
+    return compiled_step._Mode(step, first, value, *_count(step))
+
+
+def _collective(name: str) -> bool:
+    """A functional collective, or a c10d one (upstream DDP's and FSDP2's)."""
+    return compiled_step._is_collective(name) or (
+        name.startswith("c10d::") and not name.endswith(("wait", "barrier"))
+    )
+
+
+def _count(step: Callable[[], Any]) -> tuple[int, int]:
+    """(collectives, bytes of their first input) one call of ``step`` issues on this rank."""
+    with torch.profiler.profile(record_shapes=True) as prof:
+        step()
+    n = nbytes = 0
+    for e in prof.events():
+        parent, nested = e.cpu_parent, False
+        while parent is not None and not nested:
+            nested, parent = _collective(parent.name), parent.cpu_parent
+        if _collective(e.name) and not nested:
+            n += 1
+            shape = e.input_shapes[0] if e.input_shapes and e.input_shapes[0] else []
+            nbytes += (
+                4 * int(torch.Size(shape).numel()) if shape and isinstance(shape[0], int) else 0
+            )
+    return n, nbytes
 
 
 def main() -> None:
@@ -164,7 +191,10 @@ def main() -> None:
     free, budgeted = "parallelize, empty plan", "parallelize, empty plan, budget"
     modes[free] = _prepare(lambda: _plan(cfg, mesh, free, None))
     need: Any = _summaries[free + " memory"]
-    budget = need["total"] - (need["parameters"] + need["gradients"] + need["optimizer"]) // 2
+    state = need["parameters"] + need["gradients"] + need["optimizer"]  # replicated
+    # the leanest choice plus a quarter of the replicated state: every choice that keeps
+    # the parameters replicated holds all of it, so only sharded ones fit
+    budget = int(_summaries[free + " least"]) + state // 4  # type: ignore[call-overload]
     modes[budgeted] = _prepare(lambda: _plan(cfg, mesh, budgeted, budget))
     bad = {n: m.loss for n, m in modes.items() if abs(m.loss - ref) > 1e-5 * max(abs(ref), 1)}  # type: ignore[operator]
     if bad:
@@ -196,7 +226,7 @@ def _print(
         f"parallelize, empty plan / {best}: {med['parallelize, empty plan'] / upstream[best]:.2f}"
     )
     print(
-        f"parallelize, empty plan, budget ({budget} B < DDP's {need} B) / {best_fit}: "
+        f"parallelize, empty plan, budget ({budget} B; the free choice: {need} B) / {best_fit}: "
         f"{med['parallelize, empty plan, budget'] / sharded[best_fit]:.2f}"
     )
     for name in ("parallelize, empty plan", "parallelize, empty plan, budget"):
