@@ -107,4 +107,23 @@ def propagate_op_sharding(op_schema: OpSchema) -> OutputSharding:
         ) from err
     if vescale:
         out.output_spec = mark_vescale(out.output_spec)
+        if out.redistribute_schema is not None:
+            _mark_suggestion(out.redistribute_schema)
     return out  # type: ignore[no-any-return]
+
+
+def _marked_arg(arg: Any) -> Any:
+    if isinstance(arg, DTensorSpec):
+        return as_vescale_spec(arg)
+    if type(arg) in (list, tuple):
+        return type(arg)(_marked_arg(a) for a in arg)
+    return arg
+
+
+def _mark_suggestion(schema: OpSchema) -> None:
+    """The input specs a strategy asks for (a fresh schema), marked as vescale's like the
+    inputs they stand for: a ``VescaleSpec`` equals only a ``VescaleSpec``, so unmarked, an
+    input already laid out as asked would look redistributed to the dispatcher."""
+    schema.args_schema = _marked_arg(schema.args_schema)
+    schema.kwargs_schema = {k: _marked_arg(v) for k, v in schema.kwargs_schema.items()}
+    schema._recompute_comparison_key()
