@@ -11,6 +11,7 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import _COMPILER_FNS as DYNAMO_COMPILER_FNS
 from torch._dynamo.backends.registry import register_backend
+from torch._export.utils import _compiling_state_context as export_tracing_state
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._library.opaque_object import MemberType, register_opaque_type
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -92,6 +93,7 @@ __all__ = [
     "compute_local_shape_at",
     "disable_current_modes",
     "expand_to_full_mesh_op_strategy",
+    "export_tracing_state",
     "from_functional_tensor",
     "get_proxy_mode",
     "get_proxy_slot",

@@ -1,4 +1,10 @@
-"""Capture a plain model's joint graph (forward and backward) on global fake tensors."""
+"""Capture a plain model's joint graph (forward and backward) on global fake tensors.
+
+The capture is a trace the way ``torch.export`` (non-strict) traces: ``make_fx`` in fake mode
+(every tensor the model creates is a ``FakeTensor``, nothing is computed) with the compiling
+and exporting flags set, so model code that asks ``torch.compiler.is_compiling()``,
+``torch.compiler.is_exporting()`` or whether a tensor is fake (as Hugging Face models do
+before data-dependent mask checks) takes its traceable branch."""
 
 from __future__ import annotations
 
@@ -9,7 +15,8 @@ import torch
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from vescale._torch_compat import FakeTensorMode
+from vescale._torch_compat import FakeTensorMode, export_tracing_state
+from vescale.fx.collectives import user_source
 
 __all__ = ["JointGraph", "capture_joint"]
 
@@ -61,7 +68,11 @@ def capture_joint(model: nn.Module, example_args: Sequence[torch.Tensor]) -> Joi
         grad_of.update({i + 1: n for i, (n, _) in enumerate(kept)})
         return (out, *(g for _, g in kept))
 
-    gm = make_fx(joint, record_stack_traces=True)(*fake_params, *fake_buffers, *fake_args)
+    with export_tracing_state():
+        gm = make_fx(joint, tracing_mode="fake", record_stack_traces=True)(
+            *fake_params, *fake_buffers, *fake_args
+        )
+    _rebuild_constants(gm, fake)
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     return JointGraph(
         gm,
@@ -71,3 +82,41 @@ def capture_joint(model: nn.Module, example_args: Sequence[torch.Tensor]) -> Joi
         grad_of,
         placeholders,
     )
+
+
+def _rebuild_constants(gm: torch.fx.GraphModule, fake: FakeTensorMode) -> None:
+    """Each tensor constant the model made from data (``torch.tensor(...)``: a ``get_attr``)
+    becomes the ``aten.full`` that recreates it, an op on no input (computed replicated on
+    every rank). Only empty or single-valued constants can be rebuilt (e.g. the empty
+    key/value cache Hugging Face models start from); any other raises a ``ValueError``
+    naming its shape and source line."""
+    for node in list(gm.graph.nodes):
+        name = str(node.target)
+        t = getattr(gm, name) if node.op == "get_attr" else None
+        if not isinstance(t, torch.Tensor):
+            continue
+        flat = t.detach().reshape(-1)
+        if flat.numel() and not bool((flat == flat[0]).all()):
+            where = next((s for u in node.users if (s := user_source(u))), "")
+            raise ValueError(
+                f"vescale.parallelize: the model makes a {t.dtype} tensor constant of shape "
+                f"{list(t.shape)} from data{f' ({where})' if where else ''}; the capture "
+                "rebuilds only empty or single-valued constants: register it as a buffer "
+                "(module.register_buffer) or compute it with torch ops"
+            )
+        value = flat[0].item() if flat.numel() else 0
+        with gm.graph.inserting_before(node):
+            full = gm.graph.call_function(
+                torch.ops.aten.full.default,
+                (list(t.shape), value),
+                {"dtype": t.dtype, "device": t.device},
+            )
+        with fake:
+            full.meta["val"] = torch.full(tuple(t.shape), value, dtype=t.dtype, device=t.device)
+        full.meta["stack_trace"] = next(
+            (u.meta["stack_trace"] for u in node.users if u.meta.get("stack_trace")), None
+        )
+        node.replace_all_uses_with(full)
+        gm.graph.erase_node(node)
+        delattr(gm, name)
+    gm.recompile()
