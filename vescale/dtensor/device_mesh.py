@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh as _UpstreamDeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _upstream_init_device_mesh
 
-from vescale._torch_compat import _mesh_resources
+from vescale._torch_compat import _mesh_resources, disable_current_modes
 from vescale.dtensor.redistribute import flatten_mesh_dims
 
 __all__ = ["DeviceMesh", "as_vescale_mesh", "init_device_mesh", "known_meshes"]
@@ -125,9 +125,11 @@ class DeviceMesh(_UpstreamDeviceMesh):
         text = super().__repr__()
         if ", Mesh: " in text:  # TORCH_DISTRIBUTED_DEBUG=DETAIL prints the ranks already
             return text
-        ranks = str(self.mesh.tolist())
-        if self.mesh.numel() > 64:
-            flat = [str(r) for r in self.mesh.flatten().tolist()]
+        with disable_current_modes():  # printed inside a trace too (an error's text)
+            mesh = self.mesh
+            ranks = str(mesh.tolist())
+            flat = [str(r) for r in mesh.flatten().tolist()]
+        if len(flat) > 64:
             ranks = f"[{', '.join(flat[:8])}, ..., {', '.join(flat[-8:])}] ({len(flat)} ranks)"
         return f"{text[:-1]}, ranks={ranks})"
 
