@@ -54,7 +54,8 @@ def test_vescale_spec_equality_is_class_aware_and_hash_consistent():
         ve, ve2 = as_vescale_spec(up), as_vescale_spec(up2)
         assert up == up2 and hash(up) == hash(up2)
         assert ve == ve2 and hash(ve) == hash(ve2)
-        assert ve != up and up != ve and not (ve == up) and not (up == ve)
+        assert ve != up and up != ve  # != inverts ==, from either side
+        assert (ve == up) is False and (up == ve) is False
         assert len({up, ve, up2, ve2}) == 2
         s_up = OpSchema(aten.detach.default, (up,), {})
         s_ve = OpSchema(aten.detach.default, (ve,), {})
