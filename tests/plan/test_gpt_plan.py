@@ -1,13 +1,15 @@
 """The plan path on the demo GPT (examples/gpt.py without ``parallelize``) on a (dp=2, tp=2)
 gloo mesh, with a plan naming only the linear weights, the embeddings, the head and the batch:
-training equals one device, the chosen placements equal the hand-written model's, and a step
-issues no more collectives and bytes than the hand-written model (DDP) does. The eager
+training equals one device, the chosen placements equal the hand-written model's (compiled:
+the planned weights do; the solver, pricing buckets and FLOPs, may shard a bias the expert
+replicates), and a step issues no more collectives and bytes than the hand-written model (DDP). The eager
 claims share one placed model (placing the GPT is most of their cost). One block by default
 (``CFG``); two (a block feeding a block) with ``pytest --full``."""
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 
 import pytest
 import torch
@@ -46,11 +48,16 @@ def _trained_like_one_device(compile: bool, layers: int = CFG.layers) -> Planned
     assert params.keys() == ref_params.keys()
     for k, v in params.items():
         torch.testing.assert_close(v, ref_params[k], atol=1e-5, rtol=0, msg=k)
-    # the cross-check of the two paths: every parameter placed as gpt.parallelize places it
+    # the cross-check of the two paths: eager, every parameter placed as gpt.parallelize
+    # places it; compiled, the solver prices buckets and computes (the bias of a row-parallel
+    # projection may go sharded), so it is held to the outcome: communication no greater
     hand = gpt.parallelize(gpt.build(cfg), gpt_mesh())
     chosen = model.program.param_placements()
     for name, p in hand.named_parameters():
-        assert tuple(p.placements) == chosen[name], (name, p.placements, chosen[name])
+        if not compile or any(fnmatch.fnmatchcase(name, pat) for pat in GPT_PLAN):
+            assert tuple(p.placements) == chosen[name], (name, p.placements, chosen[name])
+    if compile and layers == CFG.layers:
+        _check_no_more_communication_than_hand_written(model)
     state = model.state_dict()  # DTensors in the chosen placements (what DCP saves)
     head = state["module.head.weight"]
     assert isinstance(head, vescale.DTensor) and tuple(head.placements) == chosen["head.weight"]
