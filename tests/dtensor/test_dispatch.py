@@ -129,7 +129,10 @@ def _check_explicit_mode(mode):
             a @ b
         msg = str(err.value)
         assert "aten.mm.default" in msg and "from (Shard(dim=0),) to (Replicate(),)" in msg
-        assert "DeviceMesh((4,)" in msg and "(the default: VESCALE_DISABLE_REDISTRIBUTE is unset)" in msg
+        assert (
+            "DeviceMesh((4,)" in msg
+            and "(the default: VESCALE_DISABLE_REDISTRIBUTE is unset)" in msg
+        )
         with pytest.raises(
             RuntimeError,
             match=r"aten.add.Tensor: implicit redistribution of an input from \(Shard\(dim=1\),\) to \(Shard\(dim=0\),\)",
