@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,7 +41,14 @@ def test_the_docs_have_samples():
     assert len(SAMPLES) >= 5, [name for name, _ in SAMPLES]
 
 
-@pytest.mark.parametrize("code", [c for _, c in SAMPLES], ids=[n for n, _ in SAMPLES])
+def _param(name: str, code: str) -> Any:
+    """A sample as a test case; the plan path's (4 ranks solving and compiling, the costliest)
+    run in the worker that owns the pools (tests/conftest.py), to balance the two workers."""
+    group = [pytest.mark.xdist_group("pools")] if "vescale.parallelize(" in code else []
+    return pytest.param(code, id=name, marks=group)
+
+
+@pytest.mark.parametrize("code", [_param(n, c) for n, c in SAMPLES])
 def test_sample_runs_as_shown(code: str, tmp_path: Path) -> None:
     (tmp_path / "sample.py").write_text(code)
     header = _TORCHRUN.match(code)

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from vescale import _torch_compat as compat
+
+# Resolving every pinned name imports Inductor's modules (the export tracing state among them)
+# in this process, and Inductor's first import pulls in torch.utils.mkldnn, whose ScriptModules
+# use torch.jit.script_method: torch's own deprecation warnings, not raised by vescale code.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"
+)
 
 OWNERS = {
     "DeviceMesh": DeviceMesh,
