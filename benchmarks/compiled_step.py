@@ -83,19 +83,24 @@ def _is_collective(name: str) -> bool:
     return name.startswith("_c10d_functional::") and not name.endswith(_NOT_COLLECTIVES)
 
 
-def _count(step: Callable[[], None]) -> tuple[int, int]:
-    """(collectives, bytes) one call of ``step`` issues on this rank."""
+def _count(
+    step: Callable[[], Any], is_collective: Callable[[str], bool] = _is_collective
+) -> tuple[int, int]:
+    """(collectives, bytes of their first input) one call of ``step`` issues on this rank,
+    counting the outermost events ``is_collective`` names (a list-of-tensors input, as c10d's
+    ops record it, counts no bytes)."""
     with torch.profiler.profile(record_shapes=True) as prof:
         step()
     n = nbytes = 0
     for e in prof.events():
         parent, nested = e.cpu_parent, False
         while parent is not None and not nested:
-            nested, parent = _is_collective(parent.name), parent.cpu_parent
-        if _is_collective(e.name) and not nested:
+            nested, parent = is_collective(parent.name), parent.cpu_parent
+        if is_collective(e.name) and not nested:
             n += 1
-            shape = e.input_shapes[0] if e.input_shapes else []
-            nbytes += 4 * int(torch.Size(shape).numel())  # float32 model
+            shape = e.input_shapes[0] if e.input_shapes and e.input_shapes[0] else []
+            if shape and isinstance(shape[0], int):
+                nbytes += 4 * int(torch.Size(shape).numel())  # float32 model
     return n, nbytes
 
 
@@ -223,10 +228,20 @@ class _Mode:
     times: list[float] = field(default_factory=list)
 
 
+def _first_loss(loss: Any) -> float | None:
+    """The first step's loss as every rank sees it (a DTensor's full value), else None."""
+    return loss.full_tensor().item() if hasattr(loss, "full_tensor") else None
+
+
 def _prepare(
-    build: Callable[[], Step], scope: contextlib.AbstractContextManager | None = None
+    build: Callable[[], Step],
+    scope: contextlib.AbstractContextManager | None = None,
+    *,
+    loss_value: Callable[[Any], float | None] = _first_loss,
+    is_collective: Callable[[str], bool] = _is_collective,
 ) -> _Mode:
-    """Build a mode and run its three warm-up steps inside ``scope`` (compiles happen there)."""
+    """Build a mode and run its three warm-up steps inside ``scope`` (compiles happen there);
+    ``loss_value`` reads the first loss, ``is_collective`` names the events counted."""
     with scope or contextlib.nullcontext():
         model, opt, batches = build()
 
@@ -241,10 +256,10 @@ def _prepare(
         t0 = time.perf_counter()
         loss = step(0)
         first = time.perf_counter() - t0
-        value = loss.full_tensor().item() if hasattr(loss, "full_tensor") else None
+        value = loss_value(loss)
         step(1)
         step(2)
-        return _Mode(step, first, value, *_count(step))
+        return _Mode(step, first, value, *_count(step, is_collective))
 
 
 def _time_interleaved(modes: dict[str, _Mode], steps: int) -> None:

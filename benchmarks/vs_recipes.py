@@ -30,7 +30,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -127,23 +126,7 @@ def _global_loss(loss: torch.Tensor) -> float:
 
 def _prepare(build: Callable[[], Step]) -> compiled_step._Mode:
     """Build a mode, run its first step (compile; global loss kept) and two more."""
-    model, opt, batches = build()
-
-    def step(i: int = 0) -> Any:
-        loss = model(*batches[i % len(batches)])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        return loss
-
-    dist.barrier()
-    t0 = time.perf_counter()
-    loss = step(0)
-    first = time.perf_counter() - t0
-    value = _global_loss(loss)
-    step(1)
-    step(2)
-    return compiled_step._Mode(step, first, value, *_count(step))
+    return compiled_step._prepare(build, loss_value=_global_loss, is_collective=_collective)
 
 
 def _collective(name: str) -> bool:
@@ -151,24 +134,6 @@ def _collective(name: str) -> bool:
     return compiled_step._is_collective(name) or (
         name.startswith("c10d::") and not name.endswith(("wait", "barrier"))
     )
-
-
-def _count(step: Callable[[], Any]) -> tuple[int, int]:
-    """(collectives, bytes of their first input) one call of ``step`` issues on this rank."""
-    with torch.profiler.profile(record_shapes=True) as prof:
-        step()
-    n = nbytes = 0
-    for e in prof.events():
-        parent, nested = e.cpu_parent, False
-        while parent is not None and not nested:
-            nested, parent = _collective(parent.name), parent.cpu_parent
-        if _collective(e.name) and not nested:
-            n += 1
-            shape = e.input_shapes[0] if e.input_shapes and e.input_shapes[0] else []
-            nbytes += (
-                4 * int(torch.Size(shape).numel()) if shape and isinstance(shape[0], int) else 0
-            )
-    return n, nbytes
 
 
 def main() -> None:
