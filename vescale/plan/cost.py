@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
@@ -55,6 +56,11 @@ def local_bytes(
     """Bytes one rank holds of a tensor of ``shape`` in ``placements`` (Partial: all of it)."""
     shards = math.prod(n for p, n in zip(placements, mesh_shape) if _is_shard(p))
     return math.ceil(math.prod(shape) / shards) * itemsize
+
+
+def tensor_bytes(t: torch.Tensor, placements: Placements, mesh: Any) -> int:
+    """:func:`local_bytes` of tensor ``t`` (shape and dtype) in ``placements`` on ``mesh``."""
+    return local_bytes(placements, tuple(t.shape), t.element_size(), tuple(mesh.shape))
 
 
 def default_alpha_beta(ndim: int) -> AlphaBeta:

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from vescale._torch_compat import pytree
 from vescale.plan.capture import JointGraph
-from vescale.plan.cost import local_bytes
+from vescale.plan.cost import tensor_bytes
 from vescale.plan.propagate import NodeStrategies, Placements, value_of
 
 __all__ = ["OPTIMIZER_STATES", "Memory", "memory_model", "optimizer_states"]
@@ -69,7 +69,7 @@ class Memory:
 def _bytes(t: torch.Tensor, p: Placements | None, mesh: DeviceMesh) -> int:
     if p is None:
         return 0
-    return local_bytes(p, tuple(t.shape), t.element_size(), tuple(mesh.shape))
+    return tensor_bytes(t, p, mesh)
 
 
 def _saved(joint: JointGraph) -> dict[torch.fx.Node, set[int | None]]:

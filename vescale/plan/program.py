@@ -24,10 +24,10 @@ from vescale.plan.cost import (
     flat_bucketed_step,
     flattened_steps,
     group_of,
-    local_bytes,
     redistribution_steps,
     step_time,
     strategy_compute_s,
+    tensor_bytes,
 )
 from vescale.plan.handlers import handler_strategies
 from vescale.plan.memory import Memory, memory_model
@@ -113,10 +113,6 @@ def _val(value: Value) -> torch.Tensor:
     node, k = value
     val = node.meta["val"]
     return val if k is None else val[k]
-
-
-def _held(mesh: DeviceMesh, t: torch.Tensor, placements: Placements) -> int:
-    return local_bytes(placements, tuple(t.shape), t.element_size(), tuple(mesh.shape))
 
 
 def flattens(mesh: DeviceMesh) -> bool:
@@ -228,12 +224,12 @@ def place(
             return 0.0
         held = 0
         for value, p in zip(ns.inputs, ns.input_placements[s]):
-            held += _held(mesh, _val(value), p)
+            held += tensor_bytes(_val(value), p, mesh)
         vals = node.meta.get("val")
         outs = vals if isinstance(vals, tuple | list) else (vals,)
         for v, q in zip(outs, ns.outputs[s]):
             if q is not None and isinstance(v, torch.Tensor):
-                held += _held(mesh, v, q)
+                held += tensor_bytes(v, q, mesh)
         inside = ns.internal[s] if ns.internal else ()
         out = ns.outputs[s][0] or ()
         work = strategy_compute_s(alpha_beta, node, out, tuple(mesh.shape), held)
