@@ -139,6 +139,12 @@ def test_dtensor_module_imports_neither_api_nor_legacy():
     assert "vescale.dtensor.dtensor" in graph["vescale.dtensor.api"]
 
 
+def test_no_module_imports_the_legacy_api_facade():
+    """``vescale.dtensor.api`` re-exports for users; vescale's own modules import the homes."""
+    graph = _graph(nested=True)
+    assert [m for m, deps in graph.items() if "vescale.dtensor.api" in deps] == []
+
+
 def _dtensor_aliases(tree: ast.Module) -> set[str]:
     """Names bound to ``vescale.DTensor`` by this module's imports."""
     homes = {"vescale", "vescale.dtensor", "vescale.dtensor.dtensor", "vescale.dtensor.api"}

@@ -35,10 +35,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale._torch_compat import get_proxy_mode
-from vescale.ddp.bucketing import BUCKET_CAP_KEY, DEFAULT_BUCKET_CAP_MB
+from vescale.ddp.bucketing import DEFAULT_BUCKET_CAP_MB
 from vescale.ddp.reducer import Reducer
-from vescale.dtensor.api import redistribute_dtensor, wait_local
-from vescale.dtensor.redistribute import flattened_mesh
+from vescale.dtensor.dtensor import redistribute_dtensor
+from vescale.dtensor.flat_groups import flattened_mesh
+from vescale.dtensor.inflight import wait_local
 
 __all__ = ["DistributedDataParallel"]
 
@@ -160,5 +161,5 @@ def _tag_collectives(cap_mb: float | None) -> Iterator[None]:
     node = last.next if last is not None else next(iter(graph.nodes), None)
     while node is not None and node.op != "root":
         if "_c10d_functional" in str(node.target) and "wait_tensor" not in str(node.target):
-            node.meta.setdefault("custom", {})[BUCKET_CAP_KEY] = float(cap_mb)
+            set_bucket_cap_mb(node, cap_mb)
         node = node.next

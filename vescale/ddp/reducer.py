@@ -12,7 +12,7 @@ Gradients with the same mesh, dims, reduce op and dtype fill a bucket in the ord
 become ready, under the one bucket rule (:mod:`vescale.ddp.bucketing`); a closed bucket is
 flattened into one buffer and all-reduced asynchronously while backward goes on: one
 functional all-reduce over the flattened group of its mesh dims (one per mesh dim where the
-mesh cannot be flattened, see :func:`vescale.dtensor.redistribute.flattened_mesh`). At the
+mesh cannot be flattened, see :func:`vescale.dtensor.flat_groups.flattened_mesh`). At the
 end of backward (an autograd engine callback) the remaining buckets are issued, every bucket
 is waited, and each DTensor parameter's ``.grad`` becomes a DTensor in the parameter's
 placements (a plain one's a view of the reduced buffer). Any other DTensor gradient layout is
@@ -29,8 +29,9 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale.ddp.bucketing import DEFAULT_BUCKET_CAP_MB, cap_bytes, joins
-from vescale.dtensor.api import from_local, redistribute_dtensor, wait_local
-from vescale.dtensor.redistribute import flattened_mesh
+from vescale.dtensor.dtensor import from_local, redistribute_dtensor
+from vescale.dtensor.flat_groups import flattened_mesh
+from vescale.dtensor.inflight import wait_local
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "Reducer"]
 

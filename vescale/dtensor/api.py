@@ -1,7 +1,8 @@
 """veScale's functional API for DTensors (the names legacy veScale exposed here).
 
-The conversions are :mod:`vescale.dtensor.dtensor`'s, beside the class they build; the
-collectives are :mod:`vescale.dtensor._legacy`'s.
+A facade for users and legacy code: the conversions are :mod:`vescale.dtensor.dtensor`'s,
+beside the class they build; the collectives :mod:`vescale.dtensor._legacy`'s; ``wait_local``
+:mod:`vescale.dtensor.inflight`'s. Code inside ``vescale`` imports them from those homes.
 """
 
 from vescale.dtensor._legacy import (
@@ -16,7 +17,7 @@ from vescale.dtensor.dtensor import (
     redistribute_dtensor,
     to_local,
 )
-from vescale.dtensor.redistribute import wait_local
+from vescale.dtensor.inflight import wait_local
 
 __all__ = [
     "distribute_tensor",

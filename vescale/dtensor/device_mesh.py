@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh as _UpstreamDeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _upstream_init_device_mesh
 
 from vescale._torch_compat import _mesh_resources, disable_current_modes
-from vescale.dtensor.redistribute import flatten_mesh_dims
+from vescale.dtensor.flat_groups import flatten_mesh_dims
 
 __all__ = ["DeviceMesh", "as_vescale_mesh", "init_device_mesh", "known_meshes"]
 

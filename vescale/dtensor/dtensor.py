@@ -47,6 +47,7 @@ from vescale._torch_compat import (
 from vescale.dtensor._recording import ACTIVE as _RECORDING
 from vescale.dtensor._recording import record_placements, record_redistribute
 from vescale.dtensor.device_mesh import DeviceMesh
+from vescale.dtensor.inflight import wait_local
 from vescale.dtensor.layout import chunk_sizes, contiguous_strides, dense_strides
 from vescale.dtensor.local_metadata import LocalRecord, check_records, gather_records
 from vescale.dtensor.placement_types import (
@@ -59,11 +60,7 @@ from vescale.dtensor.placement_types import (
     spec_placements,
     user_placements,
 )
-from vescale.dtensor.redistribute import (
-    redistribute_local_tensor,
-    replicate_to_partial,
-    wait_local,
-)
+from vescale.dtensor.redistribute import redistribute_local_tensor, replicate_to_partial
 
 __all__ = [
     "DTensor",

@@ -36,8 +36,7 @@ from vescale._torch_compat import (
     get_proxy_mode,
     redistribute_cost,
 )
-from vescale.dtensor import api
-from vescale.dtensor.dtensor import VescaleSpec
+from vescale.dtensor.dtensor import VescaleSpec, redistribute_dtensor
 from vescale.dtensor.placement_types import Placement, is_norm_partial, spec_placements
 from vescale.dtensor.redistribute import strided_communicates
 
@@ -173,7 +172,7 @@ def redistribute_for(op: OpOverload, t: _UpstreamDTensor, placements: Sequence[P
         return t
     dst = DTensorSpec(t.device_mesh, spec_placements(placements), tensor_meta=t._spec.tensor_meta)
     ExplicitRedistributionContext.observe_redistribution(t._spec, dst, _OpMessage(op))  # type: ignore[arg-type]
-    return api.redistribute_dtensor(t, t.device_mesh, placements, async_op=False)
+    return redistribute_dtensor(t, t.device_mesh, placements, async_op=False)
 
 
 class _OpMessage:

@@ -24,8 +24,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from vescale._torch_compat import compute_local_shape_at
+from vescale.dtensor.flat_groups import flattened_mesh
+from vescale.dtensor.inflight import wait_local
 from vescale.dtensor.layout import contiguous_shards, local_range
-from vescale.dtensor.redistribute import flattened_mesh, wait_local
 
 __all__ = ["RECORD_BYTES", "LocalRecord", "check_records", "gather_records"]
 

@@ -9,8 +9,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale.dtensor import api
-from vescale.dtensor.dtensor import DTensor
+from vescale.dtensor.dtensor import DTensor, from_local, redistribute_dtensor, to_local
 from vescale.dtensor.placement_types import Placement
 
 __all__ = ["plugin_op"]
@@ -44,18 +43,18 @@ def plugin_op(
             if isinstance(a, _UpstreamDTensor):
                 want = in_placements[i] if in_placements is not None else None
                 if want is not None and tuple(want) != tuple(a.placements):
-                    a = api.redistribute_dtensor(a, mesh, want)
+                    a = redistribute_dtensor(a, mesh, want)
                 gp = grad_placements[i] if grad_placements is not None else None
                 if isinstance(a, DTensor):  # the method form traces in one graph
                     a = a.to_local(grad_placements=gp, async_output=False)
                 else:
-                    a = api.to_local(a, grad_placements=gp, async_output=False)
+                    a = to_local(a, grad_placements=gp, async_output=False)
             local_args.append(a)
         out = kernel(*local_args, **kwargs)
         outs = out if multi else (out,)
         layouts = out_placements if multi else (out_placements,)
         wrapped = tuple(
-            api.from_local(o, mesh, p, run_check=False, support_uneven=False)  # type: ignore[arg-type]
+            from_local(o, mesh, p, run_check=False, support_uneven=False)  # type: ignore[arg-type]
             if isinstance(o, torch.Tensor)
             else o
             for o, p in zip(outs, layouts)

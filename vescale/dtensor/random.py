@@ -51,9 +51,10 @@ from torch.distributed.tensor import DTensor as _UpstreamDTensor
 from vescale._torch_compat import DTensorSpec, TensorMeta
 from vescale.dtensor.dtensor import new_dtensor
 from vescale.dtensor.hooks import bypass_dispatch
+from vescale.dtensor.inflight import wait_local
 from vescale.dtensor.layout import contiguous_strides, local_indices
 from vescale.dtensor.placement_types import Partial, Replicate
-from vescale.dtensor.redistribute import replicate_to_partial, wait_local
+from vescale.dtensor.redistribute import replicate_to_partial
 
 __all__ = [
     "PIECE_ELEMENTS",

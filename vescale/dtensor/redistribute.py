@@ -13,85 +13,37 @@ outermost first, each step a one-mesh-dim redistribution of the tensor as that m
 
 A reduction over several mesh dims at once (``(Partial, Partial) -> (Replicate, Replicate)``,
 ``(Partial, Partial) -> (Shard(d), Shard(d))``) is one collective over the flattened group of
-those dims: :func:`flattened_mesh` creates upstream's flattened mesh (``DeviceMesh._flatten``)
-on first use and upstream's planner merges the per-dim steps into one collective on it. One
-reduction in one order gives every rank the same bits (two sequential ones need not).
+those dims: :func:`vescale.dtensor.flat_groups.flattened_mesh` creates upstream's flattened
+mesh (``DeviceMesh._flatten``) on first use and upstream's planner merges the per-dim steps
+into one collective on it. One reduction in one order gives every rank the same bits (two
+sequential ones need not).
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
-import weakref
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from vescale._torch_compat import (
-    AsyncCollectiveTensor,
     DTensorSpec,
     StridedShard,
     TensorMeta,
     compute_local_shape_and_global_offset,
-    disable_current_modes,
     maybe_run_for_local_tensor,
     upstream_redistribute_local_tensor,
 )
+from vescale.dtensor.flat_groups import flattened_mesh
 from vescale.dtensor.layout import contiguous_strides
 from vescale.dtensor.placement_types import Partial, Placement, Replicate
 
 __all__ = [
-    "flatten_mesh_dims",
-    "flattened_mesh",
     "meta_shard",
     "redistribute_local_tensor",
     "replicate_to_partial",
     "strided_communicates",
-    "wait_local",
 ]
-
-# per mesh *object* (equal meshes are distinct roots to upstream's flatten mapping)
-_flattened: dict[int, tuple[weakref.ref[Any], dict[tuple[int, ...], Any]]] = {}
-
-
-def _known(mesh: Any) -> dict[tuple[int, ...], Any]:
-    entry = _flattened.get(id(mesh))
-    if entry is None or entry[0]() is not mesh:
-        entry = _flattened[id(mesh)] = (weakref.ref(mesh), {})
-    return entry[1]
-
-
-def flattened_mesh(mesh: Any, mesh_dims: Sequence[int]) -> Any:
-    """The 1-D mesh over ``mesh_dims`` of ``mesh`` flattened (upstream ``DeviceMesh._flatten``;
-    upstream's planner uses it, once it exists, for one collective over those dims), created on
-    first use; ``None`` for fewer than two dims, a meta or unnamed mesh, or a mesh whose root
-    does not span the world (creating a group is collective over every rank). Never created
-    while compiling (Dynamo cannot trace group creation): compiled code finds the meshes that
-    :func:`vescale.init_device_mesh` or ``DistributedDataParallel`` made beforehand."""
-    dims = tuple(sorted(set(mesh_dims)))
-    if len(dims) < 2 or mesh.device_type == "meta" or not mesh.mesh_dim_names:
-        return None
-    known = _known(mesh)
-    if dims in known or torch.compiler.is_compiling() or not dist.is_initialized():
-        return known.get(dims)
-    flat = None
-    if mesh._get_root_mesh().size() == dist.get_world_size():
-        names = tuple(mesh.mesh_dim_names[d] for d in dims)
-        with disable_current_modes():
-            flat = mesh[names]._flatten()
-    known[dims] = flat
-    return flat
-
-
-def flatten_mesh_dims(mesh: Any) -> None:
-    """Flattened meshes for every set of two or more of ``mesh``'s dims (see
-    :func:`flattened_mesh`), so reductions traced by Dynamo, which cannot create process
-    groups, find them too. A 2-D mesh over the world adds one mesh and no new group."""
-    for n in range(2, mesh.ndim + 1):
-        for dims in itertools.combinations(range(mesh.ndim), n):
-            flattened_mesh(mesh, dims)
 
 
 def _flatten_reductions(src: DTensorSpec, mid: Sequence[Placement]) -> None:
@@ -103,11 +55,6 @@ def _flatten_reductions(src: DTensorSpec, mid: Sequence[Placement]) -> None:
             by_target.setdefault(m, []).append(mesh_dim)
     for dims in by_target.values():
         flattened_mesh(src.mesh, dims)
-
-
-def wait_local(t: torch.Tensor) -> torch.Tensor:
-    """``t`` waited if it is an in-flight async collective result, else ``t``."""
-    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
 @maybe_run_for_local_tensor  # rank-dependent: run per simulated rank under LocalTensorMode

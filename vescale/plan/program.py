@@ -15,7 +15,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from vescale import _progress
 from vescale._torch_compat import pytree
-from vescale.dtensor.redistribute import flatten_mesh_dims, flattened_mesh
+from vescale.dtensor.flat_groups import flatten_mesh_dims, flattened_mesh
 from vescale.plan.capture import JointGraph
 from vescale.plan.cost import (
     AlphaBeta,

@@ -18,9 +18,9 @@ from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale.dtensor.explicit import redistribute_for
 from vescale.dtensor.hooks import bypass_dispatch
+from vescale.dtensor.inflight import wait_local
 from vescale.dtensor.op_args import bind
 from vescale.dtensor.placement_types import Replicate
-from vescale.dtensor.redistribute import wait_local
 
 aten = torch.ops.aten
 

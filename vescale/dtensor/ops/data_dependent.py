@@ -21,10 +21,10 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale._torch_compat import DTensorSpec, OpSchema
-from vescale.dtensor.api import from_local, wait_local
-from vescale.dtensor.dtensor import wrap_local
+from vescale.dtensor.dtensor import from_local, wrap_local
 from vescale.dtensor.explicit import redistribute_for
 from vescale.dtensor.hooks import bypass_dispatch, bypass_sharding_prop, python_dispatch
+from vescale.dtensor.inflight import wait_local
 from vescale.dtensor.op_args import bind, unbind
 from vescale.dtensor.placement_types import Placement, Replicate
 

@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale.dtensor.api import wait_local
 from vescale.dtensor.dtensor import wrap_local
 from vescale.dtensor.explicit import redistribute_for
 from vescale.dtensor.hooks import bypass_dispatch
+from vescale.dtensor.inflight import wait_local
 from vescale.dtensor.layout import contiguous_shards, local_range, sharding_mesh_dims
 from vescale.dtensor.op_args import bind
 from vescale.dtensor.placement_types import Partial, Placement, Replicate, Shard

@@ -34,7 +34,7 @@ from vescale._torch_compat import (
     OpStrategy,
     expand_to_full_mesh_op_strategy,
 )
-from vescale.dtensor.api import from_local
+from vescale.dtensor.dtensor import from_local
 from vescale.dtensor.explicit import redistribute_for
 from vescale.dtensor.hooks import (
     bypass_dispatch,
@@ -42,10 +42,10 @@ from vescale.dtensor.hooks import (
     pre_dispatch_patch,
     python_dispatch,
 )
+from vescale.dtensor.inflight import wait_local
 from vescale.dtensor.op_args import bind, unbind
 from vescale.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from vescale.dtensor.propagation import UnsupportedOpError
-from vescale.dtensor.redistribute import wait_local
 
 __all__ = [
     "in_place_via_out_of_place",
