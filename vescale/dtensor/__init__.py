@@ -13,6 +13,7 @@ from vescale.dtensor.placement_types import (
     InterleavedShard,
     Partial,
     Placement,
+    RaggedShard,
     Replicate,
     Shard,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "InterleavedShard",
     "Partial",
     "Placement",
+    "RaggedShard",
     "Replicate",
     "Shard",
     "distribute_tensor",

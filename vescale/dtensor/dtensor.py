@@ -60,6 +60,7 @@ from vescale.dtensor.placement_types import (
     spec_placements,
     user_placements,
 )
+from vescale.dtensor.ragged import find_ragged
 from vescale.dtensor.redistribute import redistribute_local_tensor, replicate_to_partial
 
 __all__ = [
@@ -259,9 +260,9 @@ class _ToLocal(torch.autograd.Function):
             return None, None, None
         spec: DTensorSpec = ctx.spec
         placements = ctx.grad_placements or _grad_placements(spec.placements)
-        gspec = make_spec(
-            spec.mesh, placements, spec.shape, dense_strides(spec.shape, grad), grad.dtype
-        )
+        ragged = grad.ndim != len(spec.shape)  # a RaggedShard's 1-D slice
+        strides = contiguous_strides(spec.shape) if ragged else dense_strides(spec.shape, grad)
+        gspec = make_spec(spec.mesh, placements, spec.shape, strides, grad.dtype)
         return new_dtensor(grad, gspec, requires_grad=grad.requires_grad), None, None
 
 
@@ -316,6 +317,10 @@ def distribute_tensor(
             f"{type(tensor.grad_fn).__name__}, for {pl} on {mesh}): gradients would not reach "
             f"its source; distribute the leaf, or pass tensor.detach()"
         )
+    if find_ragged(pl) is not None:
+        from vescale.dtensor.ragged_dtensor import distribute_ragged  # builds on this module
+
+        return distribute_ragged(tensor, mesh, pl, src_data_rank)  # type: ignore[no-any-return]
     # Partial dims: first replicate, then partition locally
     upstream_pl = spec_placements(_grad_placements(pl))
     src = tensor.detach()
@@ -361,6 +366,19 @@ def from_local(
     communicates nothing (the global shape assumes even shards).
     """
     mesh = _mesh(device_mesh, "from_local")
+    if isinstance(placements, Sequence) and find_ragged(placements) is not None:
+        from vescale.dtensor.ragged_dtensor import from_local_ragged  # builds on this module
+
+        return from_local_ragged(  # type: ignore[no-any-return]
+            local_tensor,
+            mesh,
+            placements,
+            run_check=run_check and not env_flag("VESCALE_DISABLE_RUN_CHECK", False),
+            shape=shape,
+            stride=stride,
+            grad_placements=grad_placements,
+            async_input=async_input,
+        )
     tracing = are_we_tracing()  # no data-dependent communication inside a compiled graph
     outside = not tracing and mesh.get_coordinate() is None
     run_check = run_check and not env_flag("VESCALE_DISABLE_RUN_CHECK", False)

@@ -1,5 +1,5 @@
 """Placements: upstream ``Shard`` and ``Replicate``, a ``Partial`` that accepts ``ReduceOp``,
-and ``InterleavedShard``.
+``InterleavedShard``, and ``RaggedShard`` (defined in :mod:`vescale.dtensor.ragged`).
 
 One vocabulary: ``Shard`` and ``Replicate`` *are* upstream's classes, and every upstream
 ``Partial`` (e.g. produced by an op strategy) is an instance of ``vescale.Partial``.
@@ -27,6 +27,7 @@ from vescale._torch_compat import (
     register_opaque_type,
 )
 from vescale.dtensor.layout import interleave_divides, interleaved_sizes
+from vescale.dtensor.ragged import RaggedShard, check_ragged
 
 __all__ = [
     "DTensorSpec",
@@ -34,6 +35,7 @@ __all__ = [
     "InterleavedShard",
     "Partial",
     "Placement",
+    "RaggedShard",
     "Replicate",
     "Shard",
     "TensorMeta",
@@ -307,6 +309,7 @@ def normalize_placements(
         )
     if shape is not None:
         check_interleaved(shape, mesh, out, what=what)
+        check_ragged(shape, mesh, out, what=what)
     return tuple(out)
 
 

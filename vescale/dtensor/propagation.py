@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale._torch_compat import DTensorSpec, OpSchema, OutputSharding
 from vescale.dtensor.dtensor import as_vescale_spec, is_vescale_spec, vescale_rules
+from vescale.dtensor.ragged import ragged_propagation
 
 __all__ = [
     "UnsupportedOpError",
@@ -95,7 +96,9 @@ def propagate_op_sharding(op_schema: OpSchema) -> OutputSharding:
     )
     try:
         with vescale_rules(vescale):
-            rule = _vescale_rules.get(op_schema.op) if vescale else None
+            rule = ragged_propagation(op_schema)  # a RaggedShard input: its rule or an error
+            if rule is None:
+                rule = _vescale_rules.get(op_schema.op) if vescale else None
             out = rule(op_schema) if rule is not None else _upstream_propagate(op_schema)
     except UnsupportedOpError:
         raise

@@ -37,6 +37,7 @@ from vescale._torch_compat import (
 from vescale.dtensor.flat_groups import flattened_mesh
 from vescale.dtensor.layout import contiguous_strides
 from vescale.dtensor.placement_types import Partial, Placement, Replicate
+from vescale.dtensor.ragged import find_ragged
 
 __all__ = [
     "meta_shard",
@@ -84,6 +85,10 @@ def redistribute_local_tensor(
         raise ValueError(f"redistribute: cannot move between meshes {src.mesh} and {dst.mesh}")
     if src.placements == dst.placements:
         return local
+    if find_ragged(src.placements) is not None or find_ragged(dst.placements) is not None:
+        from vescale.dtensor.ragged_redistribute import redistribute_ragged  # builds on this
+
+        return redistribute_ragged(local, src, dst, async_op=async_op)
     if src.mesh.device_type == "meta":
         return meta_shard(local, src.shape, dst)
     if _has_strided(src, dst) and src.mesh.ndim > 1:

@@ -1,0 +1,178 @@
+"""``distribute_tensor`` and ``from_local`` for placements with a ``RaggedShard``
+(:mod:`vescale.dtensor.ragged`); ``to_local``, ``full_tensor`` and ``redistribute`` need
+nothing of their own (the local tensor is the rank's 1-D slice; redistribution goes through
+:mod:`vescale.dtensor.ragged_redistribute`).
+
+``from_local``'s global shape: ``shape=``/``stride=`` when given; otherwise only a 1-D
+tensor with no other sharded mesh dim can be inferred (the sum of the slices along the
+RaggedShard's mesh dim). ``run_check`` gathers every rank's metadata in one small
+all-gather (:mod:`vescale.dtensor.local_metadata`) and raises the same error everywhere
+where a rank's slice is not the one its units give.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from vescale._torch_compat import are_we_tracing
+from vescale.dtensor.dtensor import (
+    _comm_device,
+    _from_local_arguments,
+    _FromLocal,
+    distribute_tensor,
+    new_dtensor,
+)
+from vescale.dtensor.inflight import wait_local
+from vescale.dtensor.layout import contiguous_strides
+from vescale.dtensor.local_metadata import LocalRecord, _local_errors, gather_records
+from vescale.dtensor.placement_types import Placement, Replicate, make_spec
+from vescale.dtensor.ragged import check_ragged, find_ragged, ragged_local_range, replace_ragged
+from vescale.dtensor.ragged_redistribute import _slice
+
+__all__ = ["distribute_ragged", "from_local_ragged"]
+
+
+def distribute_ragged(
+    tensor: torch.Tensor, mesh: Any, placements: tuple[Placement, ...], src_data_rank: int | None
+) -> Any:
+    """``distribute_tensor`` to ``placements`` (with a RaggedShard): the tensor laid out with
+    the RaggedShard as Replicate (coordinate 0's data), then this rank's slice."""
+    check_ragged(tensor.shape, mesh, placements, what="distribute_tensor")
+    rep = distribute_tensor(
+        tensor.detach(), mesh, replace_ragged(placements, Replicate()), src_data_rank=src_data_rank
+    )
+    spec = make_spec(mesh, placements, tensor.shape, contiguous_strides(tensor.shape), tensor.dtype)
+    local = rep._local_tensor
+    if mesh.get_coordinate() is not None:
+        local = _slice(local, spec)
+    return new_dtensor(local.detach(), spec, requires_grad=tensor.requires_grad)
+
+
+def _expected_numel(gshape: Sequence[int], mesh: Any, pl: Sequence[Placement], coord: Any) -> int:
+    return ragged_local_range(gshape, mesh, pl, coord)[1]
+
+
+def _inferable(pl: Sequence[Placement]) -> bool:
+    found = find_ragged(pl)
+    return found is not None and not any(p.is_shard() for p in pl)
+
+
+def _infer_shape(local: torch.Tensor, mesh: Any, pl: Sequence[Placement]) -> tuple[int, ...]:
+    """The global 1-D shape: the sum of the slices along the RaggedShard's mesh dim."""
+    found = find_ragged(pl)
+    assert found is not None
+    mine = torch.tensor([local.numel()], dtype=torch.int64, device=_comm_device(mesh))
+    sizes = wait_local(funcol.all_gather_single(mine, 0, (mesh, found[0]))).tolist()
+    return (int(sum(sizes)),)
+
+
+def _no_shape(pl: Sequence[Placement], mesh: Any, local: torch.Tensor) -> ValueError:
+    return ValueError(
+        f"from_local: pass shape= and stride= for placements {tuple(pl)} on {mesh}: the global "
+        f"shape of a RaggedShard's 1-D slices is inferred only for a 1-D tensor with no "
+        f"other sharded mesh dim (local shape {tuple(local.shape)})"
+    )
+
+
+def _check_all(
+    records: list[LocalRecord], mesh: Any, pl: tuple[Placement, ...], gshape: tuple[int, ...]
+) -> None:
+    """Every rank's local shape is its slice of ``gshape`` (the same error on every rank)."""
+    grid = mesh.mesh
+    coords: dict[int, tuple[int, ...]] = {}
+    for idx in (
+        torch.cartesian_prod(*[torch.arange(n) for n in grid.shape]).view(-1, grid.ndim).tolist()
+    ):
+        coords[int(grid[tuple(idx)])] = tuple(idx)
+    bad = []
+    for r in records:
+        want = (_expected_numel(gshape, mesh, pl, coords[r.rank]),)
+        if r.shape != want:
+            bad.append(f"rank {r.rank} has {r.shape}, expected {want}")
+    if bad:
+        raise ValueError(
+            f"from_local: local tensors are not the RaggedShard slices of global shape "
+            f"{tuple(gshape)} with placements {pl} on {mesh}: {'; '.join(bad)} (each rank "
+            f"holds its contiguous 1-D slice, local_units[i] units of the flattened tensor)"
+        )
+
+
+def from_local_ragged(
+    local_tensor: Any,
+    mesh: Any,
+    placements: Sequence[Placement],
+    *,
+    run_check: bool,
+    shape: Sequence[int] | None,
+    stride: Sequence[int] | None,
+    grad_placements: Sequence[Placement] | None,
+    async_input: bool,
+) -> Any:
+    """``from_local`` for ``placements`` with a RaggedShard (see the module doc)."""
+    tracing = are_we_tracing()
+    if run_check and not tracing and mesh.get_coordinate() is not None:
+        error: Exception | None = None
+        pl: tuple[Placement, ...] | None = None
+        gp = None
+        try:
+            pl, gp = _from_local_arguments(
+                local_tensor, mesh, placements, shape, stride, grad_placements
+            )
+            if shape is None and not _inferable(pl):
+                raise _no_shape(pl, mesh, local_tensor)
+            if shape is not None:
+                check_ragged(shape, mesh, pl, what="from_local")
+        except (TypeError, ValueError) as e:  # raised on every rank after the exchange
+            error = e
+        given = (tuple(shape), tuple(stride)) if shape is not None and stride is not None else None
+        mine = LocalRecord.of(local_tensor, pl if pl is not None else placements, given, error)
+        records = gather_records(mine, mesh, _comm_device(mesh))
+        _local_errors(records, mesh, error)
+        assert pl is not None
+        if len({(r.placements, r.given) for r in records}) > 1:
+            raise ValueError(
+                f"from_local: placements or shape=/stride= differ across the ranks of {mesh} "
+                f"(placements {pl}); pass the same on every rank"
+            )
+        if shape is None:
+            found = find_ragged(pl)
+            assert found is not None
+            gshape: tuple[int, ...] = (
+                sum((r.shape or (0,))[0] for r in records) // _copies(mesh, found[0]),
+            )
+        else:
+            gshape = tuple(shape)
+        check_ragged(gshape, mesh, pl, what="from_local")
+        _check_all(records, mesh, pl, gshape)
+    else:
+        pl, gp = _from_local_arguments(
+            local_tensor, mesh, placements, shape, stride, grad_placements
+        )
+        if shape is None:
+            if not _inferable(pl) or tracing:
+                raise _no_shape(pl, mesh, local_tensor)
+            gshape = _infer_shape(local_tensor, mesh, pl)
+        else:
+            gshape = tuple(shape)
+        check_ragged(gshape, mesh, pl, what="from_local")
+        if not tracing and mesh.get_coordinate() is not None:
+            want = (_expected_numel(gshape, mesh, pl, None),)
+            if tuple(local_tensor.shape) != want:
+                raise ValueError(
+                    f"from_local: local shape {tuple(local_tensor.shape)} is not the RaggedShard "
+                    f"slice {want} of global shape {gshape} with placements {pl} on {mesh}"
+                )
+    if not async_input:
+        local_tensor = wait_local(local_tensor)
+    gstride = tuple(stride) if stride is not None else contiguous_strides(gshape)
+    spec = make_spec(mesh, pl, gshape, gstride, local_tensor.dtype)
+    return _FromLocal.apply(local_tensor, spec, gp, run_check and not tracing)
+
+
+def _copies(mesh: Any, mesh_dim: int) -> int:
+    """How many times the records count each slice of one line along ``mesh_dim``."""
+    return mesh.size() // mesh.size(mesh_dim)
