@@ -22,6 +22,12 @@ KINDS = {
     "_c10d_functional::all_to_all_single": "all_to_all",
     "_c10d_functional::broadcast": "broadcast",
 }
+# In-place c10d collectives into caller-owned buffers (``dist.all_gather_single`` and
+# ``dist.reduce_scatter_single``, as vescale.fsdp issues them): ``count_collectives(C10D_KINDS)``.
+C10D_KINDS = {
+    "c10d::_allgather_base_": "all_gather",
+    "c10d::_reduce_scatter_base_": "reduce_scatter",
+}
 
 
 # profiler dtype names -> bytes per element
@@ -49,9 +55,9 @@ class CollectiveCounts(Counter[str]):
 
 
 @contextlib.contextmanager
-def count_collectives() -> Iterator[CollectiveCounts]:
+def count_collectives(kinds: dict[str, str] = KINDS) -> Iterator[CollectiveCounts]:
     """``with count_collectives() as counts:`` -> ``counts[kind]`` and ``counts.bytes[kind]``
-    after the block."""
+    after the block; ``kinds``: the profiler op names counted, and their kind."""
     counts = CollectiveCounts()
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
@@ -61,13 +67,13 @@ def count_collectives() -> Iterator[CollectiveCounts]:
     # milliseconds per block, more than most blocks themselves.
     raw = prof.profiler.kineto_results.events() if prof.profiler.kineto_results else []
     events = sorted(
-        (e for e in raw if e.name() in KINDS), key=lambda e: (e.start_ns(), -e.end_ns())
+        (e for e in raw if e.name() in kinds), key=lambda e: (e.start_ns(), -e.end_ns())
     )
     for i, e in enumerate(events):
         if not _nested(e, events[:i]):
-            counts[KINDS[e.name()]] += 1
+            counts[kinds[e.name()]] += 1
             shape, dtype = e.shapes()[0], e.dtypes()[0]
-            counts.bytes[KINDS[e.name()]] += math.prod(shape) * _ELEMENT_BYTES[dtype]
+            counts.bytes[kinds[e.name()]] += math.prod(shape) * _ELEMENT_BYTES[dtype]
 
 
 def _nested(event, earlier) -> bool:  # type: ignore[no-untyped-def]

@@ -1,0 +1,16 @@
+"""``vescale.fsdp``: fully sharded data parallel over one flat buffer per module, each
+parameter a ``RaggedShard`` DTensor viewing its rank's share ([fsdp.md](../../docs/fsdp.md))."""
+
+from vescale.fsdp.api import MixedPrecisionPolicy, flat_group, fully_shard
+from vescale.fsdp.group import FlatGroup
+from vescale.fsdp.layout import FlatLayout, Slot, plan_layout
+
+__all__ = [
+    "FlatGroup",
+    "FlatLayout",
+    "MixedPrecisionPolicy",
+    "Slot",
+    "flat_group",
+    "fully_shard",
+    "plan_layout",
+]

@@ -1,0 +1,214 @@
+"""One block's parameters in one flat buffer: sharded storage, one all-gather, one reduce-scatter.
+
+``FlatGroup`` owns, for the parameters of one module (its block):
+
+* ``shard``: this rank's share of the flat buffer (:mod:`vescale.fsdp.layout`). Each
+  parameter becomes an ``nn.Parameter`` DTensor with placement
+  ``RaggedShard(dims=(0,), local_units=<rows per rank>)`` whose local tensor is a view of
+  ``shard``: the optimizer updates the shard in place, nothing is copied back.
+* ``full``: the gathered flat buffer (``world * share`` elements, in the compute dtype).
+  :meth:`FlatGroup.gather` fills it with one ``all_gather_into_tensor`` (async) straight
+  from ``shard`` (equal shares: no copy-in, no copy-out); every unsharded parameter is a
+  view of it. :meth:`FlatGroup.free` drops its storage (``resize_(0)``); gathering again
+  refills the same storage, so views saved by autograd see the values again in backward.
+* backward (:class:`_Unshard`): every parameter's gradient is written once (scaled by
+  ``1/world``) into its slot of one flat gradient buffer, which one ``reduce_scatter_tensor``
+  reduces into this rank's share: each parameter's ``.grad`` is a RaggedShard DTensor whose
+  local tensor is a view of that share.
+
+With a ``param_dtype`` the shard stays the master copy (its dtype) and the gather sends a
+cast of it (one copy of the share: the cast itself); gradients are reduced in
+``reduce_dtype`` and cast back to the master dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vescale.dtensor.dtensor import from_local
+from vescale.dtensor.layout import contiguous_strides
+from vescale.dtensor.ragged import RaggedShard
+from vescale.fsdp.layout import FlatLayout, plan_layout
+
+__all__ = ["FlatGroup"]
+
+
+def _block(name: str, p: torch.Tensor) -> int:
+    """Elements of one row of ``p`` (the RaggedShard ``dims=(0,)`` block)."""
+    if p.dim() == 0 or p.numel() == 0:
+        raise ValueError(
+            f"fully_shard: parameter {name!r} of shape {tuple(p.shape)} cannot be "
+            "RaggedShard(dims=(0,))-sharded (0-dim or empty); keep it out of the module "
+            "or make it at least 1-D and non-empty"
+        )
+    return p.numel() // p.shape[0]
+
+
+class FlatGroup:
+    """The flat-buffer state of one ``fully_shard`` module (see the module docstring).
+
+    ``params``: ``(owning module, attribute name, parameter)`` in layout order; ``names``:
+    their qualified names (for errors)."""
+
+    def __init__(
+        self,
+        params: Sequence[tuple[nn.Module, str, nn.Parameter]],
+        names: Sequence[str],
+        mesh: Any,
+        *,
+        param_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None,
+    ) -> None:
+        dtypes = {p.dtype for _, _, p in params}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"fully_shard: one flat buffer needs one dtype, parameters {list(names)} "
+                f"have {sorted(map(str, dtypes))}; cast the module first"
+            )
+        self.mesh = mesh
+        self.pg = mesh.get_group(0)
+        self.world = mesh.size(0)
+        self.rank = mesh.get_local_rank(0)
+        self.names = list(names)
+        self.owners = [(m, n) for m, n, _ in params]
+        self.shapes = [p.shape for _, _, p in params]
+        self.layout: FlatLayout = plan_layout(
+            [(p.numel(), _block(n, p)) for n, (_, _, p) in zip(names, params)], self.world
+        )
+        master = next(iter(dtypes))
+        self.compute_dtype = param_dtype or master
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self.shard = torch.zeros(self.layout.share, dtype=master)
+        self.full = torch.empty(0, dtype=self.compute_dtype)
+        self._full_numel = self.world * self.layout.share
+        self._work: Any = None
+        self.sharded: list[nn.Parameter] = []
+        with torch.no_grad():
+            for i, (module, attr, p) in enumerate(params):
+                start, length = self.layout.local_range(i, self.rank)
+                lo = self.rank * self.layout.share + start - self.layout.slots[i].offset
+                lo = lo if length else 0
+                local = self.shard.narrow(0, start, length)
+                local.copy_(p.detach().reshape(-1).narrow(0, lo, length))
+                sharded = nn.Parameter(self._dtensor(i, local), requires_grad=p.requires_grad)
+                module._parameters[attr] = sharded
+                self.sharded.append(sharded)
+        self._locals = [p._local_tensor for p in self.sharded]  # type: ignore[attr-defined]
+
+    # ---- layout ------------------------------------------------------------------------
+
+    def placement(self, index: int) -> RaggedShard:
+        """Parameter ``index``'s placement: its rows per rank as ``local_units``."""
+        return RaggedShard(dims=(0,), local_units=self.layout.slots[index].units)
+
+    def _dtensor(self, index: int, local: torch.Tensor) -> Any:
+        shape = self.shapes[index]
+        return from_local(
+            local,
+            self.mesh,
+            [self.placement(index)],
+            run_check=False,
+            shape=shape,
+            stride=contiguous_strides(shape),
+        )
+
+    def check_storage(self) -> None:
+        """Raise if a sharded parameter's local tensor no longer views ``shard`` (replaced by
+        ``load_state_dict(assign=True)``, ``.data =`` or a module-wide cast)."""
+        for name, p, local in zip(self.names, self.sharded, self._locals):
+            if p._local_tensor is not local:  # type: ignore[attr-defined]
+                raise RuntimeError(
+                    f"fully_shard: parameter {name!r} no longer views its flat shard (its local "
+                    "tensor was replaced); update parameters in place (copy_, optimizers)"
+                )
+
+    # ---- all-gather ----------------------------------------------------------------------
+
+    @property
+    def gathered(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0 and self._work is None
+
+    def gather(self) -> None:
+        """Issue the all-gather of ``shard`` into ``full`` (async); no-op if issued or done."""
+        if self._work is not None or self.full.untyped_storage().nbytes() > 0:
+            return
+        if self.full.numel() == 0:
+            self.full = torch.empty(self._full_numel, dtype=self.compute_dtype)
+        else:
+            self.full.untyped_storage().resize_(self._full_numel * self.full.element_size())
+        src = self.shard if self.compute_dtype == self.shard.dtype else self.shard.to(self.compute_dtype)
+        # ``.data``: a fresh version counter, so refilling ``full`` before backward does not
+        # invalidate the views autograd saved in forward.
+        self._work = dist.all_gather_single(self.full.data, src, group=self.pg, async_op=True)
+
+    def wait(self) -> None:
+        """Gather (if not issued) and wait: ``full`` holds every rank's share."""
+        self.gather()
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+    def free(self) -> None:
+        """Drop the gathered buffer's storage (the parameters are sharded again)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        self.full.untyped_storage().resize_(0)
+
+    def views(self) -> list[torch.Tensor]:
+        """The unsharded parameters: views of ``full``."""
+        return [
+            self.full.narrow(0, s.offset, s.numel).view(shape)
+            for s, shape in zip(self.layout.slots, self.shapes)
+        ]
+
+    def unshard(self) -> list[torch.Tensor]:
+        """Wait for ``full`` and return the unsharded parameters, differentiable w.r.t. the
+        sharded ones (backward: :meth:`reduce_grads`)."""
+        self.wait()
+        return list(_Unshard.apply(self, *self.sharded))
+
+    # ---- reduce-scatter ----------------------------------------------------------------
+
+    def reduce_grads(self, grads: Sequence[torch.Tensor | None]) -> list[Any]:
+        """One reduce-scatter of every gradient, averaged over the mesh: the sharded
+        gradients as RaggedShard DTensors viewing one share-sized buffer."""
+        flat = torch.empty(self._full_numel, dtype=self.reduce_dtype)
+        for start, length in self.layout.gaps():
+            flat.narrow(0, start, length).zero_()
+        for s, shape, g in zip(self.layout.slots, self.shapes, grads):
+            out = flat.narrow(0, s.offset, s.numel).view(shape)
+            if g is None:
+                out.zero_()
+            else:
+                torch.div(g, self.world, out=out)
+        reduced = torch.empty(self.layout.share, dtype=self.reduce_dtype)
+        dist.reduce_scatter_single(reduced, flat, group=self.pg)
+        if reduced.dtype != self.shard.dtype:
+            reduced = reduced.to(self.shard.dtype)
+        out_grads = []
+        for i in range(len(self.sharded)):
+            start, length = self.layout.local_range(i, self.rank)
+            out_grads.append(self._dtensor(i, reduced.narrow(0, start, length)))
+        return out_grads
+
+
+class _Unshard(torch.autograd.Function):
+    """Sharded parameters -> views of the gathered flat buffer; backward: one reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx: Any, group: FlatGroup, *sharded: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.group = group
+        return tuple(group.views())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        group: FlatGroup = ctx.group
+        out = group.reduce_grads(grads)
+        group.free()
+        return (None, *out)
