@@ -15,6 +15,7 @@ import torch
 from vescale._torch_compat import DTensorSpec, StridedShard, upstream_dispatch_module
 from vescale.dtensor.dtensor import VescaleSpec
 from vescale.dtensor.placement_types import Placement, is_private_partial
+from vescale.dtensor.ragged import RaggedShard
 from vescale.dtensor.redistribute import redistribute_local_tensor
 
 __all__ = ["redistribute_for_dispatch"]
@@ -27,9 +28,9 @@ def redistribute_for_dispatch(
 ) -> torch.Tensor:
     """The dispatcher's input redistribution. For vescale DTensors, steps that *target* a
     ``Partial`` (a linear op's strategy asking for ``Shard -> Partial``, which upstream's
-    planner refuses) and any involving an interleaved (strided) shard go through vescale's
-    planner; everything else, and every step to or from a private partial placement such
-    as upstream's ``_MaskPartial`` (whose reduction masks and offsets an index), is
+    planner refuses) and any involving an interleaved (strided) or a ragged shard go through
+    vescale's planner; everything else, and every step to or from a private partial placement
+    such as upstream's ``_MaskPartial`` (whose reduction masks and offsets an index), is
     upstream's. On a meta mesh every step is vescale's: shapes only, no communication."""
     if type(src) is VescaleSpec and (
         src.mesh.device_type == "meta" or _vescale_plans(src.placements, dst.placements)
@@ -43,6 +44,8 @@ def _vescale_plans(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> bo
     """Whether vescale's planner takes ``src -> dst`` (see ``redistribute_for_dispatch``);
     cached: placements are hashable and the answer depends on them alone."""
     return any(
-        (d.is_partial() and s != d) or isinstance(s, StridedShard) or isinstance(d, StridedShard)
+        (d.is_partial() and s != d)
+        or isinstance(s, StridedShard | RaggedShard)
+        or isinstance(d, StridedShard | RaggedShard)
         for s, d in zip(src, dst)
     ) and not any(is_private_partial(p) for p in (*src, *dst))

@@ -15,6 +15,7 @@ from vescale.dtensor.ops import (
     negative_dims,
     norm,
     norm_backward,
+    ragged,
     view,
 )
 
@@ -33,5 +34,6 @@ __all__ = [
     "negative_dims",
     "norm",
     "norm_backward",
+    "ragged",
     "view",
 ]
