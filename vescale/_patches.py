@@ -33,7 +33,6 @@ __all__ = [
     "describe",
     "install",
     "installed",
-    "reapply",
     "register_kernel",
     "register_op_strategy",
     "remove_entry",
@@ -140,11 +139,24 @@ def restore_entry(table: MutableMapping[Any, Any], key: Any) -> None:
         _write(table, key, entry.original)
 
 
-def reapply(table: MutableMapping[Any, Any], key: Any) -> None:
+def _reapply(table: MutableMapping[Any, Any], key: Any) -> None:
     """Write vescale's value of ``table[key]`` again (after upstream code removed it), or remove
     the key where vescale has no entry."""
     entry = _entries.get((id(table), key))
     _write(table, key, entry.value if entry is not None and _state["installed"] else _MISSING)
+
+
+def _end_loss_parallel() -> None:
+    """Exit of upstream's ``loss_parallel()``: upstream pops the handlers it installed on
+    entry; the seam's entries they replaced (vescale's ``_log_softmax`` / ``nll_loss``
+    handlers) are written back."""
+    from torch.distributed.tensor import DTensor
+
+    from vescale._torch_compat import upstream_loss_module
+
+    table = DTensor._op_dispatcher._custom_op_handlers
+    for op in upstream_loss_module.customized_loss_ops:
+        _reapply(table, op)
 
 
 def register_op_strategy(
@@ -232,7 +244,6 @@ def _attribute_table() -> list[_Attribute]:
         dtensor,
         explicit,
         implicit_redistribute,
-        loss,
         placement_types,
         propagation,
     )
@@ -289,7 +300,7 @@ def _attribute_table() -> list[_Attribute]:
         _Attribute(
             upstream_loss_module,
             "_disable_custom_loss_ops",
-            loss.end_loss_parallel,
+            _end_loss_parallel,
             "all DTensors: leaving upstream's loss_parallel() puts back the handlers it "
             "replaced (upstream pops them, vescale's log_softmax/nll_loss handlers included)",
         ),

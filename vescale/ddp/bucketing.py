@@ -8,18 +8,16 @@ the open bucket is closed (issued) and a new one starts with it. A collective la
 cap gets a bucket of its own; a cap of 0 puts every collective in its own bucket.
 
 Under ``torch.compile``, ``DistributedDataParallel`` tags the gradient reductions it traces
-with its ``bucket_cap_mb`` (``node.meta["custom"][BUCKET_CAP_KEY]``); the pass buckets tagged
+with its ``bucket_cap_mb`` (:func:`vescale._node_meta.set_bucket_cap_mb`); the pass buckets tagged
 collectives with that cap, the others with the backend's ``bucket_cap_mb`` option.
 """
 
 from __future__ import annotations
 
-__all__ = ["BUCKET_CAP_KEY", "DEFAULT_BUCKET_CAP_MB", "cap_bytes", "joins"]
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "cap_bytes", "joins"]
 
 # torch DDP's bucket size; also the default of the compiled ``bucket`` pass (BackendOptions).
 DEFAULT_BUCKET_CAP_MB = 25.0
-
-BUCKET_CAP_KEY = "vescale_bucket_cap_mb"
 
 
 def cap_bytes(cap_mb: float) -> int:

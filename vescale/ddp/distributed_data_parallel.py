@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
+from vescale._node_meta import set_bucket_cap_mb
 from vescale._torch_compat import get_proxy_mode
 from vescale.ddp.bucketing import DEFAULT_BUCKET_CAP_MB
 from vescale.ddp.reducer import Reducer

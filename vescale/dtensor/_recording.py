@@ -2,9 +2,9 @@
 
 Every DTensor op output passes ``OpDispatcher.wrap`` (see ``dtensor.py``) and every
 redistribution ``_Redistribute.forward``; while recording, the FX node that produced the
-local result gets ``node.meta["custom"]["vescale_placements"]`` (a tuple of strings such as
-``("S(0)", "R")``: plain values survive AOTAutograd's deep copies) and a redistribution's
-collective node gets ``vescale_redistribute`` (``"S(0) -> R"``).
+local result gets its placements (a tuple of strings such as ``("S(0)", "R")``: plain values
+survive AOTAutograd's deep copies) and a redistribution's collective node its reason
+(``"S(0) -> R"``), through :mod:`vescale._node_meta`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from vescale._node_meta import get_placements, set_placements, set_redistribute
 from vescale._torch_compat import (
     FunctionalTensor,
     from_functional_tensor,
@@ -60,7 +61,7 @@ def record_placements(res: object, spec: Any) -> None:
         return
     node = _node(res)
     if node is not None and spec is not None and hasattr(spec, "placements"):
-        node.meta.setdefault("custom", {})["vescale_placements"] = _short(spec.placements)
+        set_placements(node, _short(spec.placements))
 
 
 def record_redistribute(local: torch.Tensor, src: Sequence[Any], dst: Sequence[Any]) -> None:
@@ -68,7 +69,7 @@ def record_redistribute(local: torch.Tensor, src: Sequence[Any], dst: Sequence[A
     node = _node(local)
     if node is None:
         return
-    node.meta.setdefault("custom", {})["vescale_placements"] = _short(dst)
+    set_placements(node, _short(dst))
     reason = f"{' '.join(_short(src))} -> {' '.join(_short(dst))}"
     frontier, seen = [node], set()
     while frontier:  # walk back through waits/views to the collectives of this step
@@ -77,7 +78,7 @@ def record_redistribute(local: torch.Tensor, src: Sequence[Any], dst: Sequence[A
             continue
         seen.add(n)
         if "_c10d_functional" in str(n.target):
-            n.meta.setdefault("custom", {})["vescale_redistribute"] = reason
-        if "vescale_placements" in n.meta.get("custom", {}) and n is not node:
+            set_redistribute(n, reason)
+        if get_placements(n) is not None and n is not node:
             continue  # reached the op that produced the input
         frontier.extend(a for a in n.all_input_nodes)

@@ -2,13 +2,11 @@
 
 from vescale.fx.collectives import COLLECTIVE_KINDS, CollectiveRecord, collective_table
 from vescale.fx.trace import TraceResult, trace
-from vescale.plan.explain import explain
 
 __all__ = [
     "COLLECTIVE_KINDS",
     "CollectiveRecord",
     "TraceResult",
     "collective_table",
-    "explain",
     "trace",
 ]

@@ -15,12 +15,19 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, TypedDict
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
+from vescale._node_meta import (
+    CollectiveRecord,
+    get_bucket,
+    get_collective,
+    get_sources,
+    set_collective,
+)
 from vescale._stack import user_line_of_stack
 from vescale._torch_compat import resolve_process_group
 from vescale.dtensor.device_mesh import known_meshes
@@ -29,6 +36,7 @@ __all__ = [
     "COLLECTIVE_KINDS",
     "WAIT_TENSOR",
     "CollectiveRecord",
+    "Records",
     "attach_records",
     "collective_table",
     "group_name",
@@ -53,18 +61,6 @@ COLLECTIVE_KINDS: dict[Any, str] = {
     _c10d.all_gather_into_tensor_coalesced.default: "all_gather",
     _c10d.reduce_scatter_tensor_coalesced.default: "reduce_scatter",
 }
-
-
-class CollectiveRecord(TypedDict):
-    kind: str
-    group_ranks: list[int]
-    mesh_dim: int | None
-    dtype: str
-    bytes: int
-    bucket: int | None
-    source: str
-    graph: str
-    waited: str
 
 
 def user_source(node: torch.fx.Node) -> str:
@@ -169,7 +165,6 @@ def collective_table(gm: torch.fx.GraphModule, graph: str) -> list[CollectiveRec
             continue
         name = group_name(node)
         dtype, nbytes = _nbytes(node)
-        custom = node.meta.get("custom") or {}
         out.append(
             CollectiveRecord(
                 kind=kind,
@@ -177,8 +172,8 @@ def collective_table(gm: torch.fx.GraphModule, graph: str) -> list[CollectiveRec
                 mesh_dim=_mesh_dim(name),
                 dtype=dtype,
                 bytes=nbytes,
-                bucket=custom.get("vescale_bucket"),
-                source=", ".join(custom.get("vescale_sources") or [user_source(node)]),
+                bucket=get_bucket(node),
+                source=", ".join(get_sources(node) or [user_source(node)]),
                 graph=graph,
                 waited="after graph" if node in after else "in graph",
             )
@@ -188,9 +183,43 @@ def collective_table(gm: torch.fx.GraphModule, graph: str) -> list[CollectiveRec
 
 def attach_records(gm: torch.fx.GraphModule, graph: str) -> list[CollectiveRecord]:
     """``collective_table(gm, graph)``, each record also stored on its node
-    (``custom["vescale_collective"]``, read by the graph dumps)."""
+    (:func:`vescale._node_meta.set_collective`, read by the graph dumps and ``fingerprint``)."""
     table = collective_table(gm, graph)
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_KINDS]
     for node, record in zip(nodes, table):
-        node.meta.setdefault("custom", {})["vescale_collective"] = dict(record)
+        set_collective(node, record)
     return table
+
+
+def _record_inputs(gm: torch.fx.GraphModule) -> str:
+    """Everything :func:`attach_records` reads from ``gm``, as text: every node (name, op,
+    target, arguments: the waits and outputs that decide ``waited``, the group names), and
+    each collective's dtype and bytes, bucket, sources, stack trace and attached record."""
+    parts: list[object] = []
+    for node in gm.graph.nodes:
+        args = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.name)
+        parts.append((node.name, node.op, str(node.target), args))
+        if _is_collective(node):
+            facts = (get_bucket(node), get_sources(node), get_collective(node))
+            parts.append((_nbytes(node), node.meta.get("stack_trace"), facts))
+    return repr(parts)
+
+
+class Records:
+    """The collective records of one graph as passes rewrite it: :meth:`refresh` recomputes
+    and re-attaches them only when the graph changed since the last refresh. A change is
+    read from the graph itself (:func:`_record_inputs` before and after), so a pass cannot
+    change the graph unnoticed: a replaced graph, a moved node, new or edited node facts or
+    a record lost or edited on a node all count."""
+
+    def __init__(self, graph: str) -> None:
+        self.graph = graph
+        self.table: list[CollectiveRecord] = []
+        self._inputs: str | None = None
+
+    def refresh(self, gm: torch.fx.GraphModule) -> list[CollectiveRecord]:
+        """The records of ``gm`` (attached to its nodes), recomputed if ``gm`` changed."""
+        if _record_inputs(gm) != self._inputs:
+            self.table = attach_records(gm, self.graph)
+            self._inputs = _record_inputs(gm)
+        return self.table

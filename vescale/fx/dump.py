@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from vescale._node_meta import (
+    get_bucket,
+    get_collective,
+    get_placements,
+    get_placements_from,
+    get_redistribute,
+)
 from vescale.fx.collectives import COLLECTIVE_KINDS, inflight_inputs, user_source
 
 __all__ = ["graph_text"]
@@ -43,16 +50,11 @@ def graph_text(gm: torch.fx.GraphModule, title: str) -> str:
         notes = []
         if isinstance(val, torch.Tensor):
             notes.append(f"{str(val.dtype).removeprefix('torch.')}{list(val.shape)}")
-        custom = node.meta.get("custom") or {}
-        if "vescale_placements" in custom:
-            via = (
-                f" of %{custom['vescale_placements_from']}"
-                if "vescale_placements_from" in custom
-                else ""
-            )
-            notes.append("(" + ", ".join(custom["vescale_placements"]) + ")" + via)
-        if "vescale_redistribute" in custom:
-            notes.append(f"redistribute {custom['vescale_redistribute']}")
+        if (placements := get_placements(node)) is not None:
+            via = f" of %{owner}" if (owner := get_placements_from(node)) is not None else ""
+            notes.append("(" + ", ".join(placements) + ")" + via)
+        if (reason := get_redistribute(node)) is not None:
+            notes.append(f"redistribute {reason}")
         if node in inflight:
             notes.append(
                 f"in flight: collective issued before this graph, waited by "
@@ -60,9 +62,9 @@ def graph_text(gm: torch.fx.GraphModule, title: str) -> str:
             )
         if node in before:
             notes.append(f"wait on input %{before[node].name}: collective issued before this graph")
-        if "vescale_bucket" in custom:
-            notes.append(f"bucket {custom['vescale_bucket']}")
-        coll = custom.get("vescale_collective")
+        if (bucket_id := get_bucket(node)) is not None:
+            notes.append(f"bucket {bucket_id}")
+        coll = get_collective(node)
         if node.target in COLLECTIVE_KINDS and coll:
             mesh_dim = "" if coll["mesh_dim"] is None else f"  mesh dim {coll['mesh_dim']}"
             after = ", waited after this graph" if coll.get("waited") == "after graph" else ""

@@ -2,12 +2,14 @@
 
 * Nodes that decompositions created inside one DTensor op (e.g. gelu's ``erf``/``mul``) carry
   no placements from tracing; they get the placements of the op output they feed
-  (``vescale_placements``) and its name (``vescale_placements_from``), when all their users agree.
+  (``placements``) and its name (``placements_from``; :mod:`vescale._node_meta`), when all
+  their users agree.
 * Verification: every collective's result is consumed by a ``wait_tensor`` (placed after the
   collective) before any other use, or returned unwaited (a later region waits for it); a
   graph input whose collective was issued before the graph is read only after its wait.
   ``ctx.reports["boundary"]``: those inputs and the collectives returned unwaited.
-  Collective records (``collectives.json``) are attached by the pass manager after every pass.
+  Collective records (``collectives.json``) are attached by the pass manager after every pass
+  that changes the graph.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 
+from vescale._node_meta import get_placements, get_placements_from, set_placements
 from vescale.fx.collectives import (
     COLLECTIVE_KINDS,
     WAIT_TENSOR,
@@ -31,9 +34,9 @@ __all__ = ["annotate"]
 def _agreeing(nodes: list[torch.fx.Node]) -> tuple[Any, str] | None:
     """The one (placements, owner) that all tagged ``nodes`` share, if they agree."""
     tags = {
-        (c["vescale_placements"], c.get("vescale_placements_from", n.name))
+        (placements, get_placements_from(n) or n.name)
         for n in nodes
-        if "vescale_placements" in (c := n.meta.get("custom") or {})
+        if (placements := get_placements(n)) is not None
     }
     if len(tags) != 1 or len({t[0] for t in tags}) != 1:
         return None
@@ -52,21 +55,18 @@ def _inherit_placements(gm: torch.fx.GraphModule) -> int:
     )
     for nodes, neighbours, require_all in sweeps:
         for node in nodes:
-            custom = node.meta.get("custom") or {}
-            if node.op != "call_function" or "vescale_placements" in custom:
+            if node.op != "call_function" or get_placements(node) is not None:
                 continue
             if node.target in COLLECTIVE_KINDS or node.target is WAIT_TENSOR:
                 continue
             near = neighbours(node)
-            tagged = [n for n in near if "vescale_placements" in (n.meta.get("custom") or {})]
+            tagged = [n for n in near if get_placements(n) is not None]
             if not near or (require_all and len(tagged) != len(near)):
                 continue
             agreed = _agreeing(tagged)
             if agreed is None:
                 continue
-            node.meta.setdefault("custom", {}).update(
-                vescale_placements=agreed[0], vescale_placements_from=agreed[1]
-            )
+            set_placements(node, agreed[0], inherited_from=agreed[1])
             count += 1
     return count
 

@@ -18,15 +18,15 @@ graph, makes the same buckets and issues them in the same order):
   with its own kind;
 * a bucket closes when a candidate does not fit; one-member buckets stay as they are;
 * the cap: ``bucket_cap_mb`` of the ``DistributedDataParallel`` that traced a gradient
-  reduction when it gave one (``custom["vescale_bucket_cap_mb"]``, part of the key: a
+  reduction when it gave one (its ``bucket_cap_mb`` node fact, part of the key: a
   reduction never shares a bucket with collectives under another cap), else the backend's
   ``bucket_cap_mb`` option; 0 leaves those collectives unbucketed.
 
 The rewrite (flatten, concatenate, one collective, split, restore shapes) is upstream
 Inductor's ``merge_{all_reduce,all_gather,reduce_scatter}_bucket``. Every node of a merge
-(packing, collective, wait, unpacking) gets ``custom["vescale_bucket"]`` (the bucket's id in
-this graph, shown in dumps), the collective also ``custom["vescale_sources"]`` (the user lines
-of its members); ``ctx.reports["buckets"]`` lists member counts.
+(packing, collective, wait, unpacking) gets the ``bucket`` node fact (the bucket's id in this
+graph, shown in dumps), the collective also ``sources`` (the user lines of its members;
+:mod:`vescale._node_meta`); ``ctx.reports["buckets"]`` lists member counts.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ from typing import Any
 
 import torch
 
+from vescale._node_meta import get_bucket_cap_mb, set_bucket, set_sources
 from vescale._torch_compat import bucket_merge_fns, stable_topological_sort
-from vescale.ddp.bucketing import BUCKET_CAP_KEY, cap_bytes, joins
+from vescale.ddp.bucketing import cap_bytes, joins
 from vescale.fx.collectives import (
     COLLECTIVE_KINDS,
     WAIT_TENSOR,
@@ -69,7 +70,8 @@ class _Bucket:
 
 def _cap(node: torch.fx.Node, default_mb: float) -> int:
     """The bucket cap (bytes) of collective ``node``: its DDP's, else ``default_mb`` MiB."""
-    return cap_bytes((node.meta.get("custom") or {}).get(BUCKET_CAP_KEY, default_mb))
+    cap_mb = get_bucket_cap_mb(node)
+    return cap_bytes(default_mb if cap_mb is None else cap_mb)
 
 
 def _key(node: torch.fx.Node, cap: int) -> tuple[Any, ...]:
@@ -139,9 +141,9 @@ def bucket(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         new_nodes, _ = merge[_BUCKETABLE[members[0].target]](gm.graph, members)
         bucket_id = next(ids)
         for n in new_nodes:  # the packing, the collective, its wait and the unpacking
-            n.meta.setdefault("custom", {})["vescale_bucket"] = bucket_id
+            set_bucket(n, bucket_id)
         merged = next(n for n in new_nodes if n.target in COLLECTIVE_KINDS)
-        merged.meta["custom"]["vescale_sources"] = sources
+        set_sources(merged, sources)
         stable_topological_sort(gm.graph)  # collectives fed by a bucket move after it
     gm.graph.lint()
     ctx.reports["buckets"] = [len(m) for m in buckets]

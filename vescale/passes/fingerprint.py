@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
+from vescale._node_meta import get_collective
 from vescale.fx.collectives import inflight_inputs, user_source
 from vescale.passes.manager import PassContext
 
@@ -49,7 +50,7 @@ def fingerprint(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMod
         dtype = str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else ""
         if node in before:
             lines.append(f"wait on input {dtype}{shape}: collective issued before this graph")
-        rec = (node.meta.get("custom") or {}).get("vescale_collective")
+        rec = get_collective(node)
         if rec is not None:
             group = f"mesh dim {rec['mesh_dim']}" if rec["mesh_dim"] is not None else "group"
             after = ", waited after this graph" if rec.get("waited") == "after graph" else ""

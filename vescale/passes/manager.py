@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from vescale.fx.collectives import attach_records
+from vescale.fx.collectives import Records
 from vescale.fx.dump import graph_text
 from vescale.passes.options import BackendOptions
 
@@ -43,21 +43,22 @@ Pass = Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule]
 
 class PassManager:
     """Ordered ``(name, pass)`` pairs; ``run`` dumps ``graph.capture.txt`` and
-    ``graph.<name>.txt`` after each pass (collective records refreshed) and records per-pass
-    wall time."""
+    ``graph.<name>.txt`` after each pass (collective records recomputed after a pass that
+    changed the graph) and records per-pass wall time."""
 
     def __init__(self, passes: Sequence[tuple[str, Pass]]) -> None:
         self.passes = list(passes)
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         """Run every pass; ``ctx.reports["collectives"]`` holds the final collective table."""
-        ctx.reports["collectives"] = attach_records(gm, ctx.graph_name)
+        records = Records(ctx.graph_name)
+        ctx.reports["collectives"] = records.refresh(gm)
         ctx.dump("capture", gm)
         for name, fn in self.passes:
             t0 = time.perf_counter()
             gm = fn(gm, ctx)
             gm.recompile()
             ctx.timings_ms[name] = (time.perf_counter() - t0) * 1e3
-            ctx.reports["collectives"] = attach_records(gm, ctx.graph_name)
+            ctx.reports["collectives"] = records.refresh(gm)
             ctx.dump(name, gm)
         return gm

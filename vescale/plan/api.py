@@ -192,7 +192,7 @@ def parallelize(
     (materialized shard-only when it was built with ``vescale.deferred_init``). ``compile``
     compiles the placed step with the ``vescale`` backend (``options`` are its options).
     With ``options["dump_dir"]`` or ``VESCALE_DUMP_DIR``, ``rank<r>/placements.md`` holds
-    :func:`vescale.fx.explain`'s report. ``progress``: one line per long stage (capture,
+    :func:`vescale.plan.explain`'s report. ``progress``: one line per long stage (capture,
     propagate, solve, materialize, the step's compile) on rank 0's stderr (:mod:`vescale._progress`;
     default: ``VESCALE_PROGRESS``, on).
     ``memory_budget``: bytes per rank the choice may hold (parameters, gradients, the state
