@@ -256,11 +256,11 @@ UNREACHED: dict[str, str] = {
 def hooked_ops() -> set[str]:
     """Every op vescale hooks: handlers, strategies it registers or wraps, vescale rules."""
     from vescale import _patches
-    from vescale.dtensor import propagation
+    from vescale.dtensor.ops import _registry
 
     tables = {"OpDispatcher._custom_op_handlers", "ShardingPropagator.op_strategy_funcs"}
     ops = {str(e.key) for e in _patches._entries.values() if e.table_name in tables}
-    return ops | {str(op) for op in propagation._vescale_rules}
+    return ops | {str(op) for op in _registry.rule_ops()}
 
 
 class _Record(TorchDispatchMode):

@@ -1,4 +1,6 @@
-"""Dispatch hooks: per-op handlers and patches for ops with a vescale input.
+"""Dispatch hooks at run time: the per-op handlers and patches declared in the op registry
+(:mod:`vescale.dtensor.ops._registry`, which also says when to use which), for ops with a
+vescale input.
 
 Hooks live in upstream's per-op handler table (``OpDispatcher._custom_op_handlers``), which
 the C++ dispatcher consults for every op: an op without a vescale hook keeps upstream's
@@ -6,8 +8,8 @@ C++ fast path and pays nothing. A hooked op runs:
 
     pre_dispatch_patch* -> (bypass_dispatch | dispatch with bypass_sharding_prop) -> post_dispatch_patch*
 
-Each decorator takes ``when=``: a predicate called with the hook's own arguments; where it is
-false the hook does not apply (a patch is skipped; a bypass handler's op runs
+Each hook's ``when=`` predicate is called with the hook's own arguments; where it is false
+the hook does not apply (a patch is skipped; a bypass handler's op runs
 :func:`python_dispatch`, DTensor's dispatch steps with the op's sharding-propagation bypass
 if any; a sharding-propagation bypass leaves the strategy search to upstream). Handlers thus
 hold only the case they handle.
@@ -15,15 +17,13 @@ hold only the case they handle.
 Scope: hooks apply to ops with a ``vescale.DTensor`` input; on upstream DTensors the op runs
 as upstream runs it. On ranks outside the op's mesh no handler runs (upstream's rule: empty
 local results, no communication, :mod:`vescale.dtensor.off_mesh`) unless it is registered
-with ``off_mesh=True``. Likewise vescale-only propagation rules
-(:func:`~vescale.dtensor.propagation.vescale_propagation_rule`, and strategies that consult
-``vescale_rules_active()``) apply only while an op with a vescale input propagates.
+with ``off_mesh=True``. The decorators are the registry's, re-exported here with veScale's
+legacy names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,8 +40,21 @@ from vescale._torch_compat import (
 )
 from vescale.dtensor.dtensor import DTensor
 from vescale.dtensor.off_mesh import off_mesh_result, op_mesh
+from vescale.dtensor.ops._registry import (
+    PROPAGATOR,
+    bypass_dispatch,
+    bypass_sharding_prop,
+    hooks_of,
+    on_hooks_changed,
+    post_dispatch_patch,
+    pre_dispatch_patch,
+    unregister_bypass_dispatch,
+    unregister_bypass_sharding_prop,
+    unregister_post_dispatch_patch,
+    unregister_pre_dispatch_patch,
+)
 from vescale.dtensor.placement_types import Placement
-from vescale.dtensor.propagation import mark_vescale, op_list
+from vescale.dtensor.propagation import mark_vescale
 
 __all__ = [
     "_bypass_for_dispatch",
@@ -63,45 +76,24 @@ __all__ = [
 
 OpOverload = torch._ops.OpOverload
 Handler = Callable[[OpOverload, tuple[Any, ...], dict[str, Any]], Any]
-PrePatch = Callable[
-    [OpOverload, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]
-]
-PostPatch = Callable[[OpOverload, Any], Any]
 PropFn = Callable[[OpSchema], Any]
-Predicate = Callable[..., bool]
 
 _dispatcher = _UpstreamDTensor._op_dispatcher
 _handlers: dict[OpOverload, Any] = _dispatcher._custom_op_handlers
 _upstream_handlers: dict[OpOverload, Any] = dict(_handlers)
-
-
-@dataclass(frozen=True)
-class _Hook:
-    """A registered hook and the predicate (``None``: always) on its own arguments."""
-
-    fn: Callable[..., Any]
-    when: Predicate | None
-
-    def applies(self, *args: Any) -> bool:
-        return self.when is None or bool(self.when(*args))
-
-
-_bypass: dict[OpOverload, _Hook] = {}
-_pre: dict[OpOverload, list[_Hook]] = {}
-_post: dict[OpOverload, list[_Hook]] = {}
-_prop: dict[OpOverload, _Hook] = {}
-_own_off_mesh: set[OpOverload] = set()  # bypass handlers that also run off the op's mesh
 _HANDLERS = "OpDispatcher._custom_op_handlers"
 
 
-def _reinstall(op: OpOverload) -> None:
+def _install(op: OpOverload) -> None:
     """Point the upstream handler table (through the seam) at the composition of ``op``'s
-    hooks, scoped to ops with a vescale input."""
-    if not (op in _bypass or op in _pre or op in _post or op in _prop):
+    hooks, scoped to ops with a vescale input; upstream's entry where it has none."""
+    hooks = hooks_of(op)
+    if hooks is None:
         _patches.restore_entry(_handlers, op)
         return
-    alone = op in _bypass and op not in _pre and op not in _post and _bypass[op].when is None
-    fn = _bypass[op].fn if alone else _hooked
+    bypass = hooks.bypass
+    alone = bypass is not None and bypass.when is None and not hooks.pre and not hooks.post
+    fn = bypass.fn if alone and bypass is not None else _hooked
     why = "vescale hooks (ops with a vescale.DTensor input)"
     _patches.set_entry(_handlers, _HANDLERS, op, _outside_dynamo(_scoped(fn)), why)
 
@@ -129,8 +121,11 @@ def _scoped(fn: Handler) -> Handler:
     def scoped(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not has_vescale_input(args, kwargs):
             return _upstream_op(op, args, kwargs)
-        if op not in _own_off_mesh and not op_mesh(args, kwargs)._is_current_rank_part_of_mesh():
-            return off_mesh_result(op, args, kwargs, data_dependent=op in _prop)
+        hooks = hooks_of(op)
+        own_off_mesh = hooks is not None and hooks.off_mesh
+        if not own_off_mesh and not op_mesh(args, kwargs)._is_current_rank_part_of_mesh():
+            data_dependent = hooks is not None and hooks.prop is not None
+            return off_mesh_result(op, args, kwargs, data_dependent=data_dependent)
         return fn(op, args, kwargs)
 
     return scoped
@@ -145,7 +140,8 @@ def _outside_dynamo(fn: Handler) -> Handler:
 
 def _propagate(op: OpOverload) -> PropFn | None:
     """``op``'s sharding-propagation bypass (``NotImplemented`` where its ``when`` is false)."""
-    hook = _prop.get(op)
+    hooks = hooks_of(op)
+    hook = hooks.prop if hooks is not None else None
     if hook is None:
         return None
     return lambda schema: hook.fn(schema) if hook.applies(schema) else NotImplemented
@@ -153,17 +149,19 @@ def _propagate(op: OpOverload) -> PropFn | None:
 
 @torch.compiler.disable(recursive=True)
 def _hooked(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    for pre in _pre.get(op, ()):
+    hooks = hooks_of(op)
+    assert hooks is not None  # installed only while the op has hooks
+    for pre in hooks.pre:
         if pre.applies(op, args, kwargs):
             args, kwargs = pre.fn(op, args, kwargs)
-    bypass = _bypass.get(op)
+    bypass = hooks.bypass
     if bypass is not None and bypass.applies(op, args, kwargs):
         out = bypass.fn(op, args, kwargs)
-    elif bypass is not None or op in _prop or op not in _upstream_handlers:
+    elif bypass is not None or hooks.prop is not None or op not in _upstream_handlers:
         out = python_dispatch(op, args, kwargs, _propagate(op))
     else:
         out = _upstream_handlers[op](op, args, kwargs)
-    for post in _post.get(op, ()):
+    for post in hooks.post:
         if post.applies(op, out):
             out = post.fn(op, out)
     return out
@@ -202,7 +200,7 @@ def python_dispatch(
     proposed = NotImplemented if propagate is None else propagate(schema)
     if proposed is NotImplemented:
         propagate = None
-        _dispatcher.sharding_propagator.propagate(op_info)
+        PROPAGATOR.propagate(op_info)
     else:
         out_spec = _as_output_spec(proposed, mesh)
         if has_vescale_input(args, kwargs):
@@ -235,97 +233,12 @@ def python_dispatch(
 def output_spec(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Sharding propagation's output spec(s) for ``op`` on these arguments (nothing runs)."""
     op_info = _dispatcher.unwrap_to_op_info(op, args, kwargs)
-    _dispatcher.sharding_propagator.propagate(op_info)
+    PROPAGATOR.propagate(op_info)
     assert op_info.output_sharding is not None
     return op_info.output_sharding.output_spec
 
 
-def _register(
-    table: dict[OpOverload, Any], op: Any, fn: Any, when: Predicate | None, *, stack: bool
-) -> Any:
-    hook = _Hook(fn, when)
-    for o in op_list(op):
-        if stack:
-            table.setdefault(o, []).append(hook)
-        else:
-            table[o] = hook
-        _reinstall(o)
-    return fn
-
-
-def _unregister(table: dict[OpOverload, Any], op: Any) -> None:
-    for o in op_list(op):
-        table.pop(o, None)
-        _reinstall(o)
-
-
-def bypass_dispatch(
-    op: OpOverload | Sequence[OpOverload],
-    *,
-    when: Predicate | None = None,
-    off_mesh: bool = False,
-) -> Callable[[Handler], Handler]:
-    """``@bypass_dispatch(op)``: ``handler(op, args, kwargs) -> result`` replaces DTensor
-    dispatch where ``when(op, args, kwargs)`` holds (default: always; elsewhere the op runs
-    :func:`python_dispatch`). Ranks outside the op's mesh do not run it (they get empty local
-    results and communicate nothing), unless ``off_mesh=True``: the handler then runs there
-    too and must not communicate (e.g. random ops, which advance the generator on every
-    rank)."""
-
-    def register(fn: Handler) -> Handler:
-        _own_off_mesh.difference_update(op_list(op))
-        if off_mesh:
-            _own_off_mesh.update(op_list(op))
-        return _register(_bypass, op, fn, when, stack=False)  # type: ignore[no-any-return]
-
-    return register
-
-
-def pre_dispatch_patch(
-    op: OpOverload | Sequence[OpOverload], *, when: Predicate | None = None
-) -> Callable[[PrePatch], PrePatch]:
-    """``@pre_dispatch_patch(op)``: ``fn(op, args, kwargs) -> (args, kwargs)`` runs before
-    dispatch where ``when(op, args, kwargs)`` holds (default: always)."""
-    return lambda fn: _register(_pre, op, fn, when, stack=True)
-
-
-def post_dispatch_patch(
-    op: OpOverload | Sequence[OpOverload], *, when: Predicate | None = None
-) -> Callable[[PostPatch], PostPatch]:
-    """``@post_dispatch_patch(op)``: ``fn(op, out) -> out`` runs after dispatch where
-    ``when(op, out)`` holds (default: always)."""
-    return lambda fn: _register(_post, op, fn, when, stack=True)
-
-
-def bypass_sharding_prop(
-    op: OpOverload | Sequence[OpOverload], *, when: Predicate | None = None
-) -> Callable[[PropFn], PropFn]:
-    """``@bypass_sharding_prop(op)``: ``fn(op_schema) -> output placements or spec(s)``
-    replaces the strategy search where ``when(op_schema)`` holds (default: always); the local
-    op still runs on the inputs as they are."""
-    return lambda fn: _register(_prop, op, fn, when, stack=False)
-
-
-def unregister_bypass_dispatch(op: OpOverload | Sequence[OpOverload]) -> None:
-    """Remove ``op``'s bypass handler (upstream behaviour returns)."""
-    _own_off_mesh.difference_update(op_list(op))
-    _unregister(_bypass, op)
-
-
-def unregister_pre_dispatch_patch(op: OpOverload | Sequence[OpOverload]) -> None:
-    """Remove all of ``op``'s pre-dispatch patches."""
-    _unregister(_pre, op)
-
-
-def unregister_post_dispatch_patch(op: OpOverload | Sequence[OpOverload]) -> None:
-    """Remove all of ``op``'s post-dispatch patches."""
-    _unregister(_post, op)
-
-
-def unregister_bypass_sharding_prop(op: OpOverload | Sequence[OpOverload]) -> None:
-    """Remove ``op``'s sharding-propagation bypass."""
-    _unregister(_prop, op)
-
+on_hooks_changed(_install)
 
 # veScale's legacy names.
 _bypass_for_dispatch = bypass_dispatch

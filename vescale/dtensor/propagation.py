@@ -1,5 +1,7 @@
-"""Sharding propagation as vescale installs it: vescale's rules for ops with a vescale input,
-``VescaleSpec`` outputs for them, and a missing strategy as :class:`UnsupportedOpError`.
+"""Sharding propagation as vescale installs it: the op registry's answer
+(:func:`vescale.dtensor.ops._registry.propagate`: vescale's rules for ops with a vescale
+input, upstream's strategy tables otherwise), ``VescaleSpec`` outputs for ops with a vescale
+input, and a missing strategy as :class:`UnsupportedOpError`.
 
 :func:`propagate_op_sharding` replaces upstream's propagator entry point; it is installed by
 ``vescale._patches``, the one module that changes torch objects.
@@ -7,49 +9,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any
-
-import torch
-from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale._torch_compat import DTensorSpec, OpSchema, OutputSharding
 from vescale.dtensor.dtensor import as_vescale_spec, is_vescale_spec, vescale_rules
+from vescale.dtensor.ops._registry import propagate, register_rule
 from vescale.dtensor.ragged import ragged_propagation
 
 __all__ = [
     "UnsupportedOpError",
     "mark_vescale",
-    "op_list",
     "propagate_op_sharding",
-    "upstream_propagate",
     "vescale_propagation_rule",
 ]
 
-OpOverload = torch._ops.OpOverload
-RuleFn = Callable[[OpSchema], OutputSharding]
-
-_propagator = _UpstreamDTensor._op_dispatcher.sharding_propagator
-_upstream_propagate = _propagator.propagate_op_sharding_non_cached
-_vescale_rules: dict[OpOverload, RuleFn] = {}
+vescale_propagation_rule = register_rule  # the public name (vescale.dtensor.dispatch)
 
 
 class UnsupportedOpError(NotImplementedError):
     """No sharding strategy for an op; names the op, its input placements and the mesh.
 
     A ``NotImplementedError``, so upstream still decomposes CompositeImplicit ops on it."""
-
-
-def op_list(op: OpOverload | Sequence[OpOverload]) -> list[OpOverload]:
-    """``op`` (an ``OpOverload`` or a list of them) as a list; anything else raises."""
-    ops: list[Any] = list(op) if isinstance(op, list | tuple) else [op]
-    for o in ops:
-        if not isinstance(o, OpOverload):
-            raise TypeError(
-                f"dispatch hook: expected an OpOverload such as torch.ops.aten.mm.default, "
-                f"got {o!r}"
-            )
-    return ops
 
 
 def mark_vescale(spec: Any) -> Any:
@@ -69,37 +49,17 @@ def _describe_inputs(schema: OpSchema) -> str:
     return f"inputs {inputs} on {mesh}"
 
 
-def upstream_propagate(op_schema: OpSchema) -> OutputSharding:
-    """Upstream's strategies alone (vescale's wrapped ones included, no vescale rule for the
-    op itself): for rules that adjust the schema and let upstream decide the rest."""
-    return _upstream_propagate(op_schema)  # type: ignore[no-any-return]
-
-
-def vescale_propagation_rule(op: OpOverload | Sequence[OpOverload]) -> Callable[[RuleFn], RuleFn]:
-    """``@vescale_propagation_rule(op)``: ``fn(op_schema) -> OutputSharding`` decides ``op``'s
-    sharding when an input is a vescale DTensor (upstream's strategies decide otherwise)."""
-
-    def register(fn: RuleFn) -> RuleFn:
-        for o in op_list(op):
-            _vescale_rules[o] = fn
-        return fn
-
-    return register
-
-
 def propagate_op_sharding(op_schema: OpSchema) -> OutputSharding:
-    """Upstream's sharding propagation (cached by upstream's caches, C++ and Python, keyed
-    by the specs), with: vescale's rules and ``VescaleSpec`` outputs for ops with a vescale
-    input; and, for every DTensor, a missing strategy as :class:`UnsupportedOpError`."""
+    """The registry's propagation (cached by upstream's caches, C++ and Python, keyed by the
+    specs), with ``VescaleSpec`` outputs for ops with a vescale input and, for every DTensor,
+    a missing strategy as :class:`UnsupportedOpError`."""
     vescale = is_vescale_spec(op_schema.args_schema) or is_vescale_spec(
         op_schema.kwargs_schema.values()
     )
     try:
         with vescale_rules(vescale):
-            rule = ragged_propagation(op_schema)  # a RaggedShard input: its rule or an error
-            if rule is None:
-                rule = _vescale_rules.get(op_schema.op) if vescale else None
-            out = rule(op_schema) if rule is not None else _upstream_propagate(op_schema)
+            ragged = ragged_propagation(op_schema)  # a RaggedShard input: its rule or an error
+            out = ragged(op_schema) if ragged is not None else propagate(op_schema)
     except UnsupportedOpError:
         raise
     except NotImplementedError as err:

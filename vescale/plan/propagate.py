@@ -1,16 +1,15 @@
 """Placement strategies for every node of a global (single-device) aten graph.
 
-For each ``call_function`` node the op's strategies come from upstream's sharding propagator,
-the one registry eager dispatch uses (vescale's registered strategies included): tensor
-arguments are given as ``OpStrategy`` of every placement their producer may take, so the
-answer lists every strategy of the op. Ops the registry does not cover (factories, ops
-without a rule) get the always-valid replicated strategy; nodes that do not depend on any
-graph input are constants, computed replicated on every rank.
+For each ``call_function`` node the op's strategies come from the op registry eager dispatch
+reads (:func:`vescale.dtensor.ops._registry.strategies`: vescale's strategies and rules,
+upstream's tables): tensor arguments are given as ``OpStrategy`` of every placement their
+producer may take, so the answer lists every strategy of the op. Ops the registry does not
+cover (factories, ops without a rule) get the always-valid replicated strategy; nodes that do
+not depend on any graph input are constants, computed replicated on every rank.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import operator
 from collections.abc import Callable
@@ -21,21 +20,17 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from vescale import _patches
 from vescale._torch_compat import (
     DTensorSpec,
-    OpSchema,
     OpSpec,
     OpStrategy,
-    PreparedSingleDimStrategy,
     TensorMeta,
     TupleStrategy,
-    expand_to_full_mesh_op_strategy,
     pytree,
-    upstream_strategy_utils,
 )
-from vescale.dtensor.dtensor import vescale_rules
-from vescale.dtensor.ops._registry import PROPAGATOR
+from vescale.dtensor.op_args import bind
+from vescale.dtensor.ops import _registry as registry
+from vescale.plan.cost import CommStep
 
 __all__ = ["NodeStrategies", "Value", "propagate", "tensor_meta"]
 
@@ -139,108 +134,18 @@ def _specs(spec: Any) -> tuple[Placements | None, ...]:
     return tuple(tuple(s.placements) if isinstance(s, DTensorSpec) else None for s in specs)
 
 
-def _expand_single_dim(op: Any, schema: OpSchema, single: Any, mesh: DeviceMesh, val: Any) -> Any:
-    """Upstream's expansion of a single-mesh-dim strategy to every placement combination of
-    ``mesh``, with every candidate of each input (upstream's own expansion takes one). The
-    sharding kinds that fill placeholders are those the candidates use."""
-    kinds: dict[Any, Placement] = {"shard": Shard(0)}
-    for leaf in pytree.tree_leaves(schema.args_schema, is_leaf=lambda x: isinstance(x, OpStrategy)):
-        if isinstance(leaf, OpStrategy):
-            for spec in leaf.strategies:
-                for p in spec.output_spec.placements:
-                    if p.is_shard() and not isinstance(p, Shard):  # _StridedShard(split_factor)
-                        kinds.setdefault(getattr(p, "split_factor", None), p)
-    if len(kinds) > mesh.ndim:
-        raise NotImplementedError(f"{op}: more sharding kinds than mesh dims among candidates")
-    representative = tuple((list(kinds.values()) * mesh.ndim)[: mesh.ndim])
-
-    def one(arg: Any) -> Any:
-        if isinstance(arg, OpStrategy):
-            spec = arg.strategies[0].output_spec
-            return OpStrategy([OpSpec(DTensorSpec(mesh, representative, spec.tensor_meta))])
-        return arg
-
-    prep_schema = OpSchema(
-        op,
-        pytree.tree_map(one, schema.args_schema, is_leaf=lambda x: isinstance(x, OpStrategy)),
-        {k: one(v) for k, v in schema.kwargs_schema.items()},
-        schema_info=schema.schema_info,
-    )
-    out_meta: Any = (
-        tuple(tensor_meta(v) for v in val) if isinstance(val, tuple | list) else tensor_meta(val)
-    )
-    prepared = PreparedSingleDimStrategy(single, prep_schema, out_meta)
-    return expand_to_full_mesh_op_strategy(
-        mesh,
-        schema,
-        prepared.expanded_strategies,
-        output_tensor_meta=out_meta,
-        inplace_op=op.name().split("::")[1].split(".")[0].endswith("_"),
-        input_index=prepared.num_outputs,
-        allow_unbacked_sharding=prepared.allow_unbacked_sharding,
-        allow_uneven_sharding=prepared.allow_uneven_sharding,
-        different_mesh_args=prepared.remapped_different_mesh_args,
-    )
-
-
-MAX_COMBINATIONS = 1024
-
-
-def _per_combination(func: Any, schema: OpSchema) -> OpStrategy:
-    """The union of ``func``'s strategies over every combination of single input candidates,
-    for rules that pair their inputs' strategies index by index."""
-    leaves, spec = pytree.tree_flatten(
-        (schema.args_schema, schema.kwargs_schema), is_leaf=lambda x: isinstance(x, OpStrategy)
-    )
-    where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, OpStrategy)]
-    choices = [leaves[i].strategies for i in where]
-    if prod_len(choices) > MAX_COMBINATIONS:
-        raise NotImplementedError(f"{schema.op}: too many input placement combinations")
-    found: list[OpSpec] = []
-    for combo in itertools.product(*choices):
-        for i, one in zip(where, combo):
-            leaves[i] = OpStrategy([one])
-        args, kwargs = pytree.tree_unflatten(leaves, spec)
-        found.extend(
-            func(OpSchema(schema.op, args, kwargs, schema_info=schema.schema_info)).strategies
-        )
-    return OpStrategy(found)
-
-
-def prod_len(choices: list[list[Any]]) -> int:
-    out = 1
-    for c in choices:
-        out *= len(c)
-    return out
-
-
 def _registry_strategies(
     node: torch.fx.Node, table: dict[torch.fx.Node, NodeStrategies], mesh: DeviceMesh
 ) -> NodeStrategies | None:
-    op: Any = node.target
     args, kwargs, inputs = _schema_args(node, table, mesh)
-    single = PROPAGATOR.op_single_dim_strategy_funcs.get(op)
-    func = PROPAGATOR.op_strategy_funcs.get(op)
-    if single is None and func is None:
-        return None
-    if single is not None:
-        schema = OpSchema(
-            op,
-            args,
-            kwargs,
-            schema_info=PROPAGATOR.op_to_schema_info_for_single_dim_strategy.get(op),
-        )
-        found = _expand_single_dim(op, schema, single, mesh, node.meta.get("val"))
-    elif func is not None:
-        schema = OpSchema(op, args, kwargs, schema_info=PROPAGATOR.op_to_schema_info.get(op))
-        try:
-            found = func(schema)
-        except (IndexError, AssertionError):  # a rule that zips its inputs' strategies
-            found = _per_combination(func, schema)
+    val = node.meta.get("val")
+    out_meta: Any = (
+        tuple(tensor_meta(v) for v in val) if isinstance(val, tuple | list) else tensor_meta(val)
+    )
+    found = registry.strategies(node.target, args, kwargs, mesh, out_meta)  # type: ignore[arg-type]
     if not isinstance(found, OpStrategy):
         return None
     outs, ins = [], []
-    val = node.meta.get("val")
     out_vals = val if isinstance(val, tuple | list) else (val,)
     for s in found.strategies:
         out = _specs(s.output_specs)
@@ -266,17 +171,6 @@ def _depends_on_inputs(node: torch.fx.Node, table: dict[torch.fx.Node, NodeStrat
     return any(table[value_of(a)[0]].source != "constant" for a in node.all_input_nodes)
 
 
-def _without_upstream_costs() -> contextlib.AbstractContextManager[None]:
-    """Strategies are asked for their placements only (vescale prices redistributions with
-    its own model, :mod:`vescale.plan.cost`): upstream's per-pair cost estimate, most of the
-    time of a strategy call, is skipped while propagating (through the seam)."""
-    return _patches.temporarily(upstream_strategy_utils, "redistribute_cost", _zero_cost)
-
-
-def _zero_cost(*_args: Any, **_kwargs: Any) -> float:
-    return 0.0
-
-
 Refine = Callable[
     [NodeStrategies, DeviceMesh, "dict[torch.fx.Node, NodeStrategies]"], NodeStrategies
 ]
@@ -292,9 +186,8 @@ def propagate(
     an input whose placements the solver chooses (:class:`vescale.plan.Batch`), or, when
     absent, every placement of :func:`free_candidates`). Getitem nodes are not listed: consumers
     read ``(tuple node, index)`` directly. ``refine`` may replace a node's strategies
-    before its consumers see them (:mod:`vescale.plan.handlers`)."""
-    with _without_upstream_costs(), vescale_rules(True):  # the rules eager vescale uses
-        return _propagate(gm, mesh, fixed, refine)
+    before its consumers see them."""
+    return _propagate(gm, mesh, fixed, refine)
 
 
 def _propagate(
@@ -339,6 +232,7 @@ def _propagate(
             if found is None:
                 _, _, inputs = _schema_args(node, table, mesh)
                 found = _replicated(node, inputs, mesh, f"replicated fallback: {why}")
+            found = _handler_strategies(found, mesh, table)
             table[node] = refine(found, mesh, table) if refine is not None else found
     return table
 
@@ -351,3 +245,59 @@ def flat_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
         for a in leaves
         if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
     ]
+
+
+# ---- ops a vescale handler runs (strategies declared beside the handler) -----------------
+
+
+def _handler_strategies(
+    ns: NodeStrategies, mesh: DeviceMesh, table: dict[torch.fx.Node, NodeStrategies]
+) -> NodeStrategies:
+    """For an op a vescale handler runs instead of dispatch (``declare_handler_strategies``):
+    ``ns`` without the layouts of the handler's ``layout_arg`` it takes over, plus the
+    strategy it declares for each candidate of that argument (inputs it takes as they come:
+    one per candidate), its collectives priced inside the op. Other ops: ``ns``."""
+    op: Any = ns.node.target
+    handled = registry.handled_op(op)
+    if handled is None:
+        return ns
+    bound = bind(op, ns.node.args, ns.node.kwargs)
+    names = [
+        n
+        for n, a in bound.items()
+        if isinstance(a, torch.fx.Node) and tensor_meta(a.meta.get("val")) is not None
+    ]
+    if [value_of(bound[n]) for n in names] != ns.inputs or handled.layout_arg not in names:
+        return ns
+    cands = {n: table[v[0]].out_candidates(v[1]) for n, v in zip(names, ns.inputs)}
+    meta = {n: tensor_meta(bound[n].meta["val"]) for n in names}
+    declared: dict[Placements, registry.HandlerStrategy | None] = {}
+
+    def strategy(layout: Placements) -> registry.HandlerStrategy | None:
+        if layout not in declared:
+            args = dict(bound)
+            for n in names:  # the others' placements do not decide (HandledOp)
+                p = layout if n == handled.layout_arg else cands[n][0]
+                args[n] = DTensorSpec(mesh, p, meta[n])
+            declared[layout] = handled.declare(op, args)
+        return declared[layout]
+
+    at = names.index(handled.layout_arg)
+    kept = [(o, i) for o, i in zip(ns.outputs, ns.input_placements) if strategy(i[at]) is None]
+    outputs = [o for o, _ in kept]
+    inputs = [i for _, i in kept]
+    internal: list[tuple[Any, ...]] = [()] * len(kept)
+    for layout in cands[handled.layout_arg]:
+        s = strategy(layout)
+        if s is None:
+            continue
+        steps = tuple(
+            CommStep(c.kind, c.mesh_dim, mesh.size(c.mesh_dim), c.bytes) for c in s.collectives
+        )
+        laid = [[p] if (p := s.inputs[n]) is not None else cands[n] for n in names]
+        for combo in itertools.product(*laid):
+            outputs.append(tuple(s.outputs))
+            inputs.append(tuple(combo))
+            internal.append(steps)
+    source = ns.source if kept else "handler"
+    return NodeStrategies(ns.node, ns.inputs, outputs, inputs, source, internal=internal)

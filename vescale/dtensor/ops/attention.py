@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale._patches import register_kernel, register_op_strategy
 from vescale._torch_compat import (
     DTensorSpec,
     OpSchema,
@@ -40,6 +39,7 @@ from vescale._torch_compat import (
 )
 from vescale.dtensor.dtensor import DTensor, wrap_local
 from vescale.dtensor.layout import empty_shard_dims
+from vescale.dtensor.ops._registry import register_kernel, register_strategy
 from vescale.dtensor.placement_types import Partial, Placement, Replicate, Shard
 
 __all__ = ["no_empty_shard", "sdpa_cpu_backward_strategy", "sdpa_cpu_strategy", "sdpa_math"]
@@ -74,7 +74,7 @@ def _replicated(schema: OpSchema, n: int) -> list[Placement | None]:
     return [*[Replicate()] * n, *([Replicate()] if _mask_placement(schema, 0) else [])]
 
 
-@register_op_strategy(aten._scaled_dot_product_flash_attention_for_cpu.default)
+@register_strategy(aten._scaled_dot_product_flash_attention_for_cpu.default)
 def sdpa_cpu_strategy(schema: OpSchema) -> Any:
     """(out, logsumexp) from (q, k, v[, attn_mask])."""
     strategies = [
@@ -92,7 +92,7 @@ def sdpa_cpu_strategy(schema: OpSchema) -> Any:
     )
 
 
-@register_op_strategy(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+@register_strategy(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
 def sdpa_cpu_backward_strategy(schema: OpSchema) -> Any:
     """(grad_q, grad_k, grad_v) from (grad_out, q, k, v, out, logsumexp[, attn_mask])."""
     strategies = [

@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from vescale._torch_compat import DTensorSpec, OpSchema, OutputSharding
-from vescale.dtensor.propagation import upstream_propagate, vescale_propagation_rule
+from vescale.dtensor.ops._registry import register_rule, upstream_propagate
 
 __all__ = ["NORM_BACKWARD_OPS", "input_layout"]
 
@@ -43,7 +43,7 @@ def input_layout(input_spec: DTensorSpec, normalized_ndim: int) -> tuple | None:
     return tuple(input_spec.placements) if ok else None
 
 
-@vescale_propagation_rule(NORM_BACKWARD_OPS)
+@register_rule(NORM_BACKWARD_OPS)
 def _follow_input(op_schema: OpSchema) -> OutputSharding:
     """Upstream's propagation with grad_out and the statistics laid out as the input."""
     args: list[Any] = list(op_schema.args_schema)

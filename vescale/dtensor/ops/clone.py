@@ -1,11 +1,11 @@
-"""Ops that are linear in their input keep ``Partial`` (no reduction, no communication).
+"""``clone`` keeps ``Partial``: it is linear in its input (no reduction, no communication).
 
 Upstream registers ``clone`` as a generic pointwise op, whose rule reduces a ``Partial``
 input first (an all-reduce, or the explicit-mode error): cloning is the identity on each
 rank's value, so the sum of clones is the clone of the sum. For vescale DTensors ``clone``
 keeps its input's placements, as ``contiguous``, ``alias`` and ``detach`` already do
-upstream; upstream DTensors keep upstream's rule. Both eager and the compiler see it (one
-registry: the rule is consulted inside the sharding propagator).
+upstream; upstream DTensors keep upstream's rule. Eager, the compiler and the planner all
+see it (a rule of the one op registry, :mod:`vescale.dtensor.ops._registry`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 
 from vescale._torch_compat import DTensorSpec, OpSchema, OutputSharding, TensorMeta
-from vescale.dtensor.ops._registry import PROPAGATOR
-from vescale.dtensor.propagation import vescale_propagation_rule
+from vescale.dtensor.ops._registry import PROPAGATOR, register_rule
 
 __all__ = ["PLACEMENT_PRESERVING_OPS"]
 
@@ -22,7 +21,7 @@ aten = torch.ops.aten
 PLACEMENT_PRESERVING_OPS = [aten.clone.default]
 
 
-@vescale_propagation_rule(PLACEMENT_PRESERVING_OPS)
+@register_rule(PLACEMENT_PRESERVING_OPS)
 def _keep_placements(op_schema: OpSchema) -> OutputSharding:
     """Output placements = input placements, no redistribution."""
     spec = op_schema.args_schema[0]
