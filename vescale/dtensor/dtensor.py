@@ -61,6 +61,11 @@ from vescale.dtensor.placement_types import (
     user_placements,
 )
 from vescale.dtensor.ragged import find_ragged
+from vescale.dtensor.ragged_checkpoint import (
+    ragged_chunks,
+    ragged_shard_view,
+    ragged_write_items,
+)
 from vescale.dtensor.redistribute import redistribute_local_tensor, replicate_to_partial
 
 __all__ = [
@@ -425,8 +430,10 @@ def _from_local_arguments(
     shape: Sequence[int] | None,
     stride: Sequence[int] | None,
     grad_placements: Sequence[Placement] | None,
+    ndim: int | None = None,
 ) -> tuple[tuple[Placement, ...], tuple[Placement, ...] | None]:
-    """``from_local``'s checks of its own arguments: (placements, grad placements)."""
+    """``from_local``'s checks of its own arguments: (placements, grad placements) for a
+    tensor of ``ndim`` dims (the local tensor's by default)."""
     if isinstance(local_tensor, _UpstreamDTensor):
         raise TypeError(
             f"from_local: expected the local torch.Tensor shard, got a DTensor (placements "
@@ -438,10 +445,11 @@ def _from_local_arguments(
         raise ValueError(
             f"from_local: pass both shape and stride or neither (got shape={shape}, stride={stride})"
         )
-    pl = normalize_placements(placements, mesh, local_tensor.ndim, what="from_local")
+    ndim = local_tensor.ndim if ndim is None else ndim
+    pl = normalize_placements(placements, mesh, ndim, what="from_local")
     if grad_placements is None:
         return pl, None
-    gp = normalize_placements(grad_placements, mesh, local_tensor.ndim, what="from_local")
+    gp = normalize_placements(grad_placements, mesh, ndim, what="from_local")
     return pl, spec_placements(gp)
 
 
@@ -590,6 +598,24 @@ class DTensor(_UpstreamDTensor):
     def data_ptr(self) -> int:
         """The local shard's ``data_ptr()`` (for pointer-taking plug-in kernels)."""
         return wait_local(self._local_tensor).data_ptr()
+
+    def __create_write_items__(self, fqn: str, object: Any) -> Any:
+        """DCP save: a RaggedShard's slice as the boxes it covers (upstream's otherwise)."""
+        if find_ragged(self._spec.placements) is None:
+            return super().__create_write_items__(fqn, object)
+        return ragged_write_items(fqn, self)
+
+    def __create_chunk_list__(self) -> Any:
+        """DCP load: the chunks of a RaggedShard's slice (upstream's otherwise)."""
+        if find_ragged(self._spec.placements) is None:
+            return super().__create_chunk_list__()
+        return ragged_chunks(self)
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        """DCP: the local data of chunk ``index`` (a view of a RaggedShard's slice)."""
+        if find_ragged(self._spec.placements) is None:
+            return super().__get_tensor_shard__(index)  # type: ignore[no-any-return]
+        return ragged_shard_view(self, index)
 
     @staticmethod
     def __tensor_unflatten__(

@@ -120,7 +120,7 @@ def from_local_ragged(
         gp = None
         try:
             pl, gp = _from_local_arguments(
-                local_tensor, mesh, placements, shape, stride, grad_placements
+                local_tensor, mesh, placements, shape, stride, grad_placements, _ndim(shape)
             )
             if shape is None and not _inferable(pl):
                 raise _no_shape(pl, mesh, local_tensor)
@@ -150,7 +150,7 @@ def from_local_ragged(
         _check_all(records, mesh, pl, gshape)
     else:
         pl, gp = _from_local_arguments(
-            local_tensor, mesh, placements, shape, stride, grad_placements
+            local_tensor, mesh, placements, shape, stride, grad_placements, _ndim(shape)
         )
         if shape is None:
             if not _inferable(pl) or tracing:
@@ -171,6 +171,11 @@ def from_local_ragged(
     gstride = tuple(stride) if stride is not None else contiguous_strides(gshape)
     spec = make_spec(mesh, pl, gshape, gstride, local_tensor.dtype)
     return _FromLocal.apply(local_tensor, spec, gp, run_check and not tracing)
+
+
+def _ndim(shape: Sequence[int] | None) -> int:
+    """The global tensor's ndim: ``shape``'s, else 1 (only a 1-D shape is inferred)."""
+    return 1 if shape is None else len(shape)
 
 
 def _copies(mesh: Any, mesh_dim: int) -> int:
