@@ -61,6 +61,11 @@ from vescale.dtensor.placement_types import (
     user_placements,
 )
 from vescale.dtensor.ragged import find_ragged
+from vescale.dtensor.ragged_checkpoint import (
+    ragged_chunks,
+    ragged_shard_view,
+    ragged_write_items,
+)
 from vescale.dtensor.redistribute import redistribute_local_tensor, replicate_to_partial
 
 __all__ = [
@@ -593,6 +598,24 @@ class DTensor(_UpstreamDTensor):
     def data_ptr(self) -> int:
         """The local shard's ``data_ptr()`` (for pointer-taking plug-in kernels)."""
         return wait_local(self._local_tensor).data_ptr()
+
+    def __create_write_items__(self, fqn: str, object: Any) -> Any:
+        """DCP save: a RaggedShard's slice as the boxes it covers (upstream's otherwise)."""
+        if find_ragged(self._spec.placements) is None:
+            return super().__create_write_items__(fqn, object)
+        return ragged_write_items(fqn, self)
+
+    def __create_chunk_list__(self) -> Any:
+        """DCP load: the chunks of a RaggedShard's slice (upstream's otherwise)."""
+        if find_ragged(self._spec.placements) is None:
+            return super().__create_chunk_list__()
+        return ragged_chunks(self)
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        """DCP: the local data of chunk ``index`` (a view of a RaggedShard's slice)."""
+        if find_ragged(self._spec.placements) is None:
+            return super().__get_tensor_shard__(index)  # type: ignore[no-any-return]
+        return ragged_shard_view(self, index)
 
     @staticmethod
     def __tensor_unflatten__(
