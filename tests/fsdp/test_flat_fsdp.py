@@ -8,10 +8,10 @@ from __future__ import annotations
 import math
 import random
 
+import gpt
 import pytest
 import torch
 
-import gpt
 import vescale
 from tests.harness.collectives import C10D_KINDS, count_collectives
 from tests.harness.misuse import error_everywhere
@@ -149,7 +149,9 @@ def test_layout_never_cuts_a_block(seed):
         for k in range(1, world):  # each share boundary falls between two blocks
             if slot.offset < k * share < end:
                 assert (k * share - slot.offset) % block == 0
-        held = [len(range(max(slot.offset, r * share), min(end, (r + 1) * share))) for r in range(world)]
+        held = [
+            len(range(max(slot.offset, r * share), min(end, (r + 1) * share))) for r in range(world)
+        ]
         assert [u * block for u in slot.units] == held
     assert end <= world * share
     # near-balanced: a parameter over two share boundaries needs a share that is a multiple

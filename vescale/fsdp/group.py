@@ -141,7 +141,11 @@ class FlatGroup:
             self.full = torch.empty(self._full_numel, dtype=self.compute_dtype)
         else:
             self.full.untyped_storage().resize_(self._full_numel * self.full.element_size())
-        src = self.shard if self.compute_dtype == self.shard.dtype else self.shard.to(self.compute_dtype)
+        src = (
+            self.shard
+            if self.compute_dtype == self.shard.dtype
+            else self.shard.to(self.compute_dtype)
+        )
         # ``.data``: a fresh version counter, so refilling ``full`` before backward does not
         # invalidate the views autograd saved in forward.
         self._work = dist.all_gather_single(self.full.data, src, group=self.pg, async_op=True)

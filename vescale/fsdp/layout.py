@@ -72,7 +72,9 @@ def _place(sizes: Sequence[tuple[int, int]], world: int, share: int) -> list[int
             if start + numel > capacity:
                 return None
             first, last = start // share + 1, (start + numel - 1) // share
-            cut = next((k * share for k in range(first, last + 1) if (k * share - start) % block), None)
+            cut = next(
+                (k * share for k in range(first, last + 1) if (k * share - start) % block), None
+            )
             if cut is None:
                 break
             start += (cut - start) % block  # the cut now falls between two blocks
