@@ -29,7 +29,7 @@ from vescale.dtensor.dtensor import (
 from vescale.dtensor.inflight import wait_local
 from vescale.dtensor.layout import contiguous_strides
 from vescale.dtensor.local_metadata import LocalRecord, _local_errors, gather_records
-from vescale.dtensor.placement_types import Placement, Replicate, make_spec
+from vescale.dtensor.placement_types import Placement, Replicate, Shard, make_spec
 from vescale.dtensor.ragged import check_ragged, find_ragged, ragged_local_range, replace_ragged
 from vescale.dtensor.ragged_redistribute import _slice
 
@@ -57,8 +57,27 @@ def _expected_numel(gshape: Sequence[int], mesh: Any, pl: Sequence[Placement], c
 
 
 def _inferable(pl: Sequence[Placement]) -> bool:
-    found = find_ragged(pl)
-    return found is not None and not any(p.is_shard() for p in pl)
+    """Whether the global shape can be inferred: no mesh dim shards the tensor otherwise."""
+    return not any(isinstance(p, Shard) for p in pl)
+
+
+def _arguments(
+    local: Any,
+    mesh: Any,
+    placements: Sequence[Placement],
+    shape: Sequence[int] | None,
+    stride: Sequence[int] | None,
+    grad_placements: Sequence[Placement] | None,
+    tracing: bool,
+) -> tuple[tuple[Placement, ...], tuple[Placement, ...] | None]:
+    """``from_local``'s own argument checks, the global shape's where given."""
+    if shape is None and (tracing or not _inferable(placements)):
+        raise _no_shape(placements, mesh, local)
+    ndim = 1 if shape is None else len(shape)
+    pl, gp = _from_local_arguments(local, mesh, placements, shape, stride, grad_placements, ndim)
+    if shape is not None:
+        check_ragged(shape, mesh, pl, what="from_local")
+    return pl, gp
 
 
 def _infer_shape(local: torch.Tensor, mesh: Any, pl: Sequence[Placement]) -> tuple[int, ...]:
@@ -70,11 +89,12 @@ def _infer_shape(local: torch.Tensor, mesh: Any, pl: Sequence[Placement]) -> tup
     return (int(sum(sizes)),)
 
 
-def _no_shape(pl: Sequence[Placement], mesh: Any, local: torch.Tensor) -> ValueError:
+def _no_shape(pl: Sequence[Placement], mesh: Any, local: Any) -> ValueError:
     return ValueError(
         f"from_local: pass shape= and stride= for placements {tuple(pl)} on {mesh}: the global "
         f"shape of a RaggedShard's 1-D slices is inferred only for a 1-D tensor with no "
-        f"other sharded mesh dim (local shape {tuple(local.shape)})"
+        f"other sharded mesh dim, outside torch.compile (local shape "
+        f"{tuple(getattr(local, 'shape', ()))})"
     )
 
 
@@ -119,13 +139,9 @@ def from_local_ragged(
         pl: tuple[Placement, ...] | None = None
         gp = None
         try:
-            pl, gp = _from_local_arguments(
-                local_tensor, mesh, placements, shape, stride, grad_placements, _ndim(shape)
+            pl, gp = _arguments(
+                local_tensor, mesh, placements, shape, stride, grad_placements, tracing
             )
-            if shape is None and not _inferable(pl):
-                raise _no_shape(pl, mesh, local_tensor)
-            if shape is not None:
-                check_ragged(shape, mesh, pl, what="from_local")
         except (TypeError, ValueError) as e:  # raised on every rank after the exchange
             error = e
         given = (tuple(shape), tuple(stride)) if shape is not None and stride is not None else None
@@ -149,15 +165,8 @@ def from_local_ragged(
         check_ragged(gshape, mesh, pl, what="from_local")
         _check_all(records, mesh, pl, gshape)
     else:
-        pl, gp = _from_local_arguments(
-            local_tensor, mesh, placements, shape, stride, grad_placements, _ndim(shape)
-        )
-        if shape is None:
-            if not _inferable(pl) or tracing:
-                raise _no_shape(pl, mesh, local_tensor)
-            gshape = _infer_shape(local_tensor, mesh, pl)
-        else:
-            gshape = tuple(shape)
+        pl, gp = _arguments(local_tensor, mesh, placements, shape, stride, grad_placements, tracing)
+        gshape = tuple(shape) if shape is not None else _infer_shape(local_tensor, mesh, pl)
         check_ragged(gshape, mesh, pl, what="from_local")
         if not tracing and mesh.get_coordinate() is not None:
             want = (_expected_numel(gshape, mesh, pl, None),)
@@ -171,11 +180,6 @@ def from_local_ragged(
     gstride = tuple(stride) if stride is not None else contiguous_strides(gshape)
     spec = make_spec(mesh, pl, gshape, gstride, local_tensor.dtype)
     return _FromLocal.apply(local_tensor, spec, gp, run_check and not tracing)
-
-
-def _ndim(shape: Sequence[int] | None) -> int:
-    """The global tensor's ndim: ``shape``'s, else 1 (only a 1-D shape is inferred)."""
-    return 1 if shape is None else len(shape)
 
 
 def _copies(mesh: Any, mesh_dim: int) -> int:
