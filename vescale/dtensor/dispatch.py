@@ -1,5 +1,6 @@
-"""The public dispatch extension points, gathered from their homes: hooks
-(:mod:`vescale.dtensor.hooks`), sharding rules (:mod:`vescale.dtensor.propagation`),
+"""The public dispatch extension points, gathered: op behaviour declared in the one op
+registry (:mod:`vescale.dtensor.ops._registry`, whose docstring says which declaration to
+use when: strategies, rules, dispatch hooks under their public and veScale legacy names),
 explicit mode (:mod:`vescale.dtensor.explicit`) and plug-in kernels
 (:mod:`vescale.dtensor.plugin`)."""
 
@@ -21,6 +22,7 @@ from vescale.dtensor.hooks import (
     unregister_post_dispatch_patch,
     unregister_pre_dispatch_patch,
 )
+from vescale.dtensor.ops._registry import register_rule, register_strategy
 from vescale.dtensor.plugin import plugin_op
 from vescale.dtensor.propagation import UnsupportedOpError, vescale_propagation_rule
 
@@ -37,6 +39,8 @@ __all__ = [
     "plugin_op",
     "post_dispatch_patch",
     "pre_dispatch_patch",
+    "register_rule",
+    "register_strategy",
     "unregister_bypass_dispatch",
     "unregister_bypass_sharding_prop",
     "unregister_post_dispatch_patch",

@@ -223,9 +223,10 @@ def _table_strategies(
         return None
     schema = OpSchema(op, args, kwargs, schema_info=PROPAGATOR.op_to_schema_info.get(op))
     try:
-        return func(schema)  # type: ignore[no-any-return]
+        found = func(schema)
     except (IndexError, AssertionError):  # a rule that zips its inputs' strategies
-        return _per_combination(func, schema)
+        found = _per_combination(func, schema)
+    return found if isinstance(found, OpStrategy) else None  # a TupleStrategy: not offered
 
 
 def _leaves(schema_args: Any) -> tuple[list[Any], Any, list[int]]:
