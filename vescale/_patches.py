@@ -104,10 +104,10 @@ def _write(table: MutableMapping[Any, Any], key: Any, value: Any) -> None:
 
 
 def _clear_caches() -> None:
-    from torch.distributed.tensor import DTensor
+    from vescale.dtensor.ops._registry import PROPAGATOR
 
     torch._C._clear_DTensor_sharding_propagator_cache()
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    PROPAGATOR.propagate_op_sharding.cache_clear()
 
 
 def set_entry(
@@ -164,11 +164,9 @@ def register_op_strategy(
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Upstream's ``register_op_strategy`` decorator, recorded in the seam: the strategy
     (and its schema info) replaces upstream's for ``op`` in the one sharding propagator."""
-    from torch.distributed.tensor import DTensor
-
     from vescale._torch_compat import upstream_register_op_strategy
+    from vescale.dtensor.ops._registry import PROPAGATOR as propagator
 
-    propagator = DTensor._op_dispatcher.sharding_propagator
     ops: list[Any] = list(op) if isinstance(op, list | tuple) else [op]
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -247,8 +245,8 @@ def _attribute_table() -> list[_Attribute]:
         placement_types,
         propagation,
     )
+    from vescale.dtensor.ops._registry import PROPAGATOR as propagator
 
-    propagator = DTensor._op_dispatcher.sharding_propagator
     return [
         _Attribute(
             OpDispatcher,

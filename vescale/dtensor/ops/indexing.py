@@ -28,7 +28,6 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale._patches import register_op_strategy
 from vescale._torch_compat import (
     OpSchema,
     OpStrategy,
@@ -44,6 +43,7 @@ from vescale.dtensor.hooks import (
 )
 from vescale.dtensor.inflight import wait_local
 from vescale.dtensor.op_args import bind, unbind
+from vescale.dtensor.ops._registry import register_strategy
 from vescale.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from vescale.dtensor.propagation import UnsupportedOpError
 
@@ -68,7 +68,7 @@ OUT_OF_PLACE = {
 }
 
 
-@register_op_strategy([aten.index_add.default, aten.index_add_.default])
+@register_strategy([aten.index_add.default, aten.index_add_.default])
 def index_add_strategy(schema: OpSchema) -> Any:
     """out from (self, index, source); see module docstring."""
     self_strategy = schema.args_schema[0]
