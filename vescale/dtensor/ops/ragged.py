@@ -19,7 +19,9 @@ A RaggedShard's local tensor is the rank's 1-D slice of the flattened storage, s
   keeps a RaggedShard with the same units (rows stay on their ranks, no communication).
 
 Every other op, and any other layout, raises ``UnsupportedOpError`` naming the op, the
-placements and the mesh, and saying to redistribute first.
+placements and the mesh, and saying to redistribute first: ops without a rule at the sharding
+rule's gate (:func:`vescale.dtensor.ragged.ragged_propagation`), ops with a dispatch handler
+of their own (random ops, ``topk``, ...) before that handler runs (a pre-dispatch patch).
 """
 
 from __future__ import annotations
@@ -34,10 +36,15 @@ from torch.distributed.tensor._ops._math_ops import _NormPartial
 
 from vescale._torch_compat import DTensorSpec, OpSchema, OutputSharding, TensorMeta
 from vescale.dtensor.dtensor import new_dtensor
-from vescale.dtensor.hooks import bypass_dispatch
 from vescale.dtensor.op_args import bind
 from vescale.dtensor.ops import norm as _norm
-from vescale.dtensor.ops._registry import PROPAGATOR
+from vescale.dtensor.ops._registry import (
+    PROPAGATOR,
+    bypass_dispatch,
+    hooks_of,
+    on_hooks_changed,
+    pre_dispatch_patch,
+)
 from vescale.dtensor.placement_types import ExtremumNormPartial, Partial, Placement
 from vescale.dtensor.propagation import UnsupportedOpError
 from vescale.dtensor.ragged import RaggedShard, find_ragged, ragged_rule
@@ -366,3 +373,44 @@ def _norms(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if _ragged_input(op, args, kwargs):
         return ragged_reduction(op, args, kwargs)
     return _norm.inf_norm_without_empty_shards(op, args, kwargs)
+
+
+# ---- ops whose own dispatch handler would see a RaggedShard input ---------------------
+
+_RAGGED_AWARE = set(REDUCTION_OPS)
+_guarded: set[Any] = set()
+
+
+def _any_ragged(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    items = [*args, *kwargs.values()]
+    return any(
+        _ragged_tensor(x) for a in items for x in (a if isinstance(a, list | tuple) else [a])
+    )
+
+
+def _reject(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    tensors = [
+        x
+        for a in [*args, *kwargs.values()]
+        for x in (a if isinstance(a, list | tuple) else [a])
+        if isinstance(x, _UpstreamDTensor)
+    ]
+    inputs = ", ".join(f"{tuple(t.placements)} {list(t.shape)}" for t in tensors)
+    raise UnsupportedOpError(
+        f"{op}: not supported on RaggedShard inputs ({inputs} on {tensors[0].device_mesh}); "
+        f"redistribute them to Shard/Replicate first (x.redistribute(mesh, placements))"
+    )
+
+
+def _guard(op: Any) -> None:
+    """A handler of ``op``'s own (not RaggedShard-aware) is preceded by :func:`_reject`."""
+    hooks = hooks_of(op)
+    if op in _guarded or op in _RAGGED_AWARE or hooks is None:
+        return
+    if hooks.bypass is None and hooks.prop is None:
+        return
+    _guarded.add(op)
+    pre_dispatch_patch(op, when=_any_ragged)(_reject)
+
+
+on_hooks_changed(_guard)
