@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import re
 
 import pytest
 import torch
@@ -21,13 +23,35 @@ pytestmark = pytest.mark.filterwarnings(
 OWNERS = {
     "DeviceMesh": DeviceMesh,
     "DTensor": DTensor,
+    "DTensorSpec": compat.DTensorSpec,
     "OpDispatcher": compat.OpDispatcher,
+    "OpSchema": compat.OpSchema,
+    "OpOverload": torch._ops.OpOverload,
+    "FunctionSchema": torch._C.FunctionSchema,
     "ExplicitRedistributionContext": compat.ExplicitRedistributionContext,
     "ShardingPropagator": type(DTensor._op_dispatcher.sharding_propagator),
+    "Tensor": torch.Tensor,
+    "Module": torch.nn.Module,
+    "Variable": torch.autograd.Variable,
+    "Library": torch.library.Library,
+    "NormPartial": importlib.import_module("torch.distributed.tensor._ops._math_ops")._NormPartial,
+    "make_boxed_func": compat.make_boxed_func,
     "_mesh_resources": compat._mesh_resources,
     "upstream_dispatch_module": compat.upstream_dispatch_module,
     "upstream_loss_module": compat.upstream_loss_module,
 }
+
+
+def _owner(name: str) -> object:
+    """An owner of ``PRIVATE_ATTRIBUTES``: a name above, or a torch module's dotted path."""
+    return OWNERS[name] if name in OWNERS else importlib.import_module(name)
+
+
+def _source(obj: object) -> str:
+    try:
+        return inspect.getsource(obj)  # type: ignore[arg-type]
+    except (OSError, TypeError):  # a C++ class or a module without Python source
+        return ""
 
 
 def test_private_names_import():
@@ -36,13 +60,20 @@ def test_private_names_import():
 
 
 def test_private_attributes_exist():
+    """Each pinned attribute is on its owner, or (instance attributes, parameters, attributes
+    set on functions) assigned or named in the owner's own source."""
     for owner, attr in compat.PRIVATE_ATTRIBUTES:
-        cls = OWNERS[owner]
+        obj = _owner(owner)
         assert (
-            hasattr(cls, attr)
-            or attr in getattr(cls, "__slots__", ())
-            or attr in (inspect.getsource(cls.__init__))
+            hasattr(obj, attr)
+            or attr in getattr(obj, "__slots__", ())
+            or re.search(rf"\b{attr}\b", _source(obj))
         ), (owner, attr)
+
+
+def test_a_missing_attribute_fails():
+    assert not hasattr(DeviceMesh, "_not_a_torch_name")
+    assert not re.search(r"\b_get_root\b", _source(DeviceMesh))  # whole names only
 
 
 def test_signatures_we_call():

@@ -1,7 +1,9 @@
 """Every private upstream symbol vescale depends on, imported in one place.
 
 A torch upgrade that moves or renames one of these fails here, loudly, and
-``tests/dtensor/test_torch_compat.py`` pins the shapes we rely on.
+``tests/test_torch_compat.py`` pins the shapes we rely on. Private attributes read elsewhere
+are listed in ``PRIVATE_ATTRIBUTES``; ``tests/test_torch_private_names.py`` reads the package
+for private torch names and fails on any missing here.
 """
 
 from collections.abc import Sequence
@@ -183,6 +185,27 @@ def inductor_pieces() -> tuple[Any, Any, Any]:
 #   ShardingPropagator.op_to_scalar_shape_adjuster         (local split sizes / slice bounds)
 #   OpDispatcher.wrap                                        (op outputs become vescale.DTensor)
 #   DTensor._local_tensor, DTensor._spec                     (the DTensor payload)
+#   DTensor._op_dispatcher                                   (the one dispatcher and propagator)
+#   ShardingPropagator._propagate_tensor_meta_non_cached,
+#     op_to_schema_info_for_single_dim_strategy             (output metas; upstream rules' info)
+#   DeviceMesh._get_root_mesh, _is_current_rank_part_of_mesh, _hash, __init__(_init_backend=)
+#                                                          (flattening, off-mesh ranks, pickling)
+#   DTensorSpec._hash_impl, _hash_key, _stable_hash, _check_equals, _hash,
+#     shallow_copy_with_tensor_meta                         (VescaleSpec: keys kept apart)
+#   OpSchema._recompute_comparison_key                      (schemas edited before propagation)
+#   OpOverload._schema, FunctionSchema._is_view_op         (op arguments by name; views)
+#   Tensor._make_wrapper_subclass, torch._C._disabled_torch_function_impl,
+#     nn.Module._parameters / _buffers                      (deferred init's fake tensors)
+#   Variable._execution_engine, torch._C._current_graph_task_id
+#                                                          (DDP's end-of-backward callback; one
+#                                                           explicit-mode check per backward)
+#   torch._C._clear_DTensor_sharding_propagator_cache      (caches dropped on install/uninstall)
+#   Library._destroy                                        (the seam's op libraries undone)
+#   make_boxed_func's _boxed_call                           (AOTAutograd's boxed convention)
+#   _NormPartial._partition_value, _pre_reduce_transform, _post_reduce_transform
+#                                                          (ExtremumNormPartial overrides them)
+#   torch._C, torch._ops (OpOverload), torch._unique2, c10d._get_group_tag,
+#     _math_ops._NormPartial                                (modules and functions read directly)
 PRIVATE_ATTRIBUTES = (
     ("DeviceMesh", "_dim_group_names"),
     ("DeviceMesh", "_flatten"),
@@ -207,4 +230,38 @@ PRIVATE_ATTRIBUTES = (
     ("ShardingPropagator", "op_to_scalar_shape_adjuster"),
     ("DTensor", "_local_tensor"),
     ("DTensor", "_spec"),
+    ("DTensor", "_op_dispatcher"),
+    ("ShardingPropagator", "_propagate_tensor_meta_non_cached"),
+    ("ShardingPropagator", "op_to_schema_info_for_single_dim_strategy"),
+    ("DeviceMesh", "_get_root_mesh"),
+    ("DeviceMesh", "_is_current_rank_part_of_mesh"),
+    ("DeviceMesh", "_hash"),
+    ("DeviceMesh", "_init_backend"),
+    ("DTensorSpec", "_hash_impl"),
+    ("DTensorSpec", "_hash_key"),
+    ("DTensorSpec", "_stable_hash"),
+    ("DTensorSpec", "_check_equals"),
+    ("DTensorSpec", "_hash"),
+    ("DTensorSpec", "shallow_copy_with_tensor_meta"),
+    ("OpSchema", "_recompute_comparison_key"),
+    ("OpOverload", "_schema"),
+    ("FunctionSchema", "_is_view_op"),
+    ("Tensor", "_make_wrapper_subclass"),
+    ("Module", "_parameters"),
+    ("Module", "_buffers"),
+    ("Variable", "_execution_engine"),
+    ("Library", "_destroy"),
+    ("make_boxed_func", "_boxed_call"),
+    ("torch", "_C"),
+    ("torch", "_ops"),
+    ("torch", "_unique2"),
+    ("torch._C", "_clear_DTensor_sharding_propagator_cache"),
+    ("torch._C", "_current_graph_task_id"),
+    ("torch._C", "_disabled_torch_function_impl"),
+    ("torch.distributed.distributed_c10d", "_get_group_tag"),
+    ("torch.distributed.tensor._ops", "_math_ops"),
+    ("torch.distributed.tensor._ops._math_ops", "_NormPartial"),
+    ("NormPartial", "_partition_value"),
+    ("NormPartial", "_pre_reduce_transform"),
+    ("NormPartial", "_post_reduce_transform"),
 )

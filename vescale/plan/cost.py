@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from vescale._torch_compat import StridedShard
 from vescale.cost.calibration import calibrate
 from vescale.cost.model import (
     CommStep,
@@ -68,7 +69,7 @@ def default_alpha_beta(ndim: int) -> AlphaBeta:
 
 
 def _is_shard(p: Placement) -> bool:
-    return isinstance(p, Shard) or type(p).__name__ == "_StridedShard"
+    return isinstance(p, Shard | StridedShard)
 
 
 def redistribution_steps(
