@@ -12,9 +12,9 @@
   view of it. :meth:`FlatGroup.free` drops its storage (``resize_(0)``); gathering again
   refills the same storage, so views saved by autograd see the values again in backward.
 * backward (:class:`_Unshard`): every parameter's gradient is written once (scaled by
-  ``1/world``) into its slot of one flat gradient buffer, which one ``reduce_scatter_tensor``
-  reduces into this rank's share: each parameter's ``.grad`` is a RaggedShard DTensor whose
-  local tensor is a view of that share.
+  ``1/world``) into its slot of one flat gradient buffer, which one async reduce-scatter
+  reduces into this rank's share while backward goes on; at the end of backward each
+  parameter's ``.grad`` becomes a RaggedShard DTensor whose local tensor views that share.
 
 With a ``param_dtype`` the shard stays the master copy (its dtype) and the gather sends a
 cast of it (one copy of the share: the cast itself); gradients are reduced in
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vescale.dtensor.dtensor import from_local
+from vescale.dtensor.dtensor import from_local, new_dtensor
 from vescale.dtensor.layout import contiguous_strides
 from vescale.dtensor.ragged import RaggedShard
 from vescale.fsdp.layout import FlatLayout, plan_layout
@@ -87,6 +87,7 @@ class FlatGroup:
         self.full = torch.empty(0, dtype=self.compute_dtype)
         self._full_numel = self.world * self.layout.share
         self._work: Any = None
+        self._pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None
         self.sharded: list[nn.Parameter] = []
         with torch.no_grad():
             for i, (module, attr, p) in enumerate(params):
@@ -179,31 +180,49 @@ class FlatGroup:
 
     # ---- reduce-scatter ----------------------------------------------------------------
 
-    def reduce_grads(self, grads: Sequence[torch.Tensor | None]) -> list[Any]:
-        """One reduce-scatter of every gradient, averaged over the mesh: the sharded
-        gradients as RaggedShard DTensors viewing one share-sized buffer."""
+    def reduce_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Issue one reduce-scatter (async) of every gradient, averaged over the mesh, and
+        queue :meth:`finish_grads` for the end of this backward."""
         flat = torch.empty(self._full_numel, dtype=self.reduce_dtype)
-        for start, length in self.layout.gaps():
-            flat.narrow(0, start, length).zero_()
-        for s, shape, g in zip(self.layout.slots, self.shapes, grads):
-            out = flat.narrow(0, s.offset, s.numel).view(shape)
-            if g is None:
-                out.zero_()
-            else:
-                torch.div(g, self.world, out=out)
+        with torch.profiler.record_function("vescale.fsdp::reduce_scatter_copy_in"):
+            for start, length in self.layout.gaps():
+                flat.narrow(0, start, length).zero_()
+            for s, shape, g in zip(self.layout.slots, self.shapes, grads):
+                out = flat.narrow(0, s.offset, s.numel).view(shape)
+                if g is None:
+                    out.zero_()
+                else:
+                    torch.div(g, self.world, out=out)
         reduced = torch.empty(self.layout.share, dtype=self.reduce_dtype)
-        dist.reduce_scatter_single(reduced, flat, group=self.pg)
+        work = dist.reduce_scatter_single(reduced, flat, group=self.pg, async_op=True)
+        self._pending = (work, reduced, flat)
+        torch.autograd.Variable._execution_engine.queue_callback(self.finish_grads)
+
+    def finish_grads(self) -> None:
+        """Wait for the reduce-scatter; each parameter's ``.grad`` becomes (or accumulates) a
+        RaggedShard DTensor whose local tensor views the reduced share."""
+        if self._pending is None:
+            return
+        work, reduced, _ = self._pending
+        work.wait()
+        self._pending = None
         if reduced.dtype != self.shard.dtype:
             reduced = reduced.to(self.shard.dtype)
-        out_grads = []
-        for i in range(len(self.sharded)):
+        for i, p in enumerate(self.sharded):
+            if not p.requires_grad:
+                continue
             start, length = self.layout.local_range(i, self.rank)
-            out_grads.append(self._dtensor(i, reduced.narrow(0, start, length)))
-        return out_grads
+            local = reduced.narrow(0, start, length)
+            if p.grad is None:
+                p.grad = new_dtensor(local, p._spec, requires_grad=False)  # type: ignore[attr-defined]
+            else:
+                p.grad._local_tensor.add_(local)  # type: ignore[attr-defined]
 
 
 class _Unshard(torch.autograd.Function):
-    """Sharded parameters -> views of the gathered flat buffer; backward: one reduce-scatter."""
+    """Sharded parameters -> views of the gathered flat buffer; backward: one reduce-scatter,
+    whose result lands in the parameters' ``.grad`` at the end of backward (no gradient
+    flows to them through autograd)."""
 
     @staticmethod
     def forward(ctx: Any, group: FlatGroup, *sharded: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
@@ -211,8 +230,8 @@ class _Unshard(torch.autograd.Function):
         return tuple(group.views())
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:  # type: ignore[override]
         group: FlatGroup = ctx.group
-        out = group.reduce_grads(grads)
+        group.reduce_grads(grads)
         group.free()
-        return (None, *out)
+        return (None,) * (len(grads) + 1)
