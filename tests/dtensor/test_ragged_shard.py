@@ -237,6 +237,8 @@ COUNTS = [
     ((4,), [RaggedShard((0,), (1, 0, 3, 2))], [Shard(1)], {"all_gather": 1}),
     ((4,), [RaggedShard((0,), (1, 0, 3, 2))], [Partial()], {"all_gather": 1}),
     ((4,), [Replicate()], [RaggedShard((0,), (1, 0, 3, 2))], {}),
+    ((4,), [Partial()], [RaggedShard((0,), (1, 0, 3, 2))], {"reduce_scatter": 1}),
+    ((2, 2), [Shard(1), Partial()], [Shard(1), RaggedShard((0, 1), (3, 0))], {"reduce_scatter": 1}),
     ((2, 2), [RaggedShard((0,), (1, 2)), Shard(1)], [Replicate(), Shard(1)], {"all_gather": 1}),
     (
         (2, 2),
@@ -250,7 +252,8 @@ COUNTS = [
 
 def test_collective_counts(pool4):
     """One all-gather to Replicate (or to a layout it must gather for), one all-to-all
-    between RaggedShards and to/from Shard(0), none from Replicate."""
+    between RaggedShards and to/from Shard(0), one reduce-scatter from Partial("sum"), none
+    from Replicate."""
     for mesh_shape, src, dst, want in COUNTS:
         got = pool4.run(_counts, mesh_shape, src, dst)[0]
         assert got == want, (mesh_shape, src, dst, got)
@@ -319,3 +322,27 @@ def test_shape_checks_on_a_meta_mesh():
         with pytest.raises(ValueError, match=match) as info:
             check_ragged(shape, mesh, placements, what="distribute_tensor")
         assert "mesh" in str(info.value) and "distribute_tensor" in str(info.value)
+
+
+def _redistribute_for_compile(x, mesh):
+    y = x.redistribute(mesh, [Replicate()])
+    z = x.redistribute(mesh, [RaggedShard((0,), (2, 1))])
+    return y.to_local(), z.to_local()
+
+
+def _check_compiled():
+    mesh = mesh_of((2,))
+    full = torch.arange(12.0, dtype=torch.float64).reshape(6, 2)
+    x = vescale.distribute_tensor(full, mesh, [RaggedShard((0,), (1, 2))])
+    torch._dynamo.reset()
+    step = torch.compile(_redistribute_for_compile, backend="vescale", fullgraph=True)
+    y, z = step(x, mesh)
+    assert torch.equal(y, full)
+    assert torch.equal(z, _slice(full, RaggedShard((0,), (2, 1)), dist.get_rank()))
+
+
+@pytest.mark.full  # a minute of compiling on a loaded 2-core machine
+def test_compiled_redistribution(pool2):
+    """Under backend="vescale" (one graph): the all-gather and the uneven all-to-all, whose
+    sizes differ by rank, pass the rank-consistency check and give the eager values."""
+    pool2.run(_check_compiled)

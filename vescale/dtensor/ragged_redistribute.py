@@ -5,6 +5,8 @@ Only the RaggedShard's mesh dim ``m`` changing, the others equal (1-D meshes alw
 * RaggedShard -> RaggedShard (other units or dims), RaggedShard <-> ``Shard(0)``: one
   all-to-all over mesh dim ``m`` (``all_to_all_single`` with uneven splits): each rank sends
   the overlaps of its flat range with every rank's target range, in rank order;
+* ``Partial("sum")`` -> RaggedShard: one reduce-scatter of the target slices padded to the
+  longest;
 * RaggedShard -> anything else: one all-gather over ``m`` of the slices padded to the
   longest (the inner tensor, see ``ragged.inner_shape``), then the target's local step;
 * Replicate -> RaggedShard: the local slice, no communication.
@@ -22,13 +24,14 @@ from collections.abc import Sequence
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from vescale._torch_compat import DTensorSpec, compute_local_shape_at
+from vescale._torch_compat import DTensorSpec
 from vescale.dtensor.inflight import wait_local
 from vescale.dtensor.layout import chunk_sizes
-from vescale.dtensor.placement_types import Placement, Replicate, Shard
+from vescale.dtensor.placement_types import Partial, Placement, Replicate, Shard, is_private_partial
 from vescale.dtensor.ragged import (
     RaggedShard,
     find_ragged,
+    inner_shape,
     ragged_local_range,
     replace_ragged,
 )
@@ -57,8 +60,7 @@ def _inner(spec: DTensorSpec, mesh_dim: int) -> tuple[int, ...]:
     """This rank's local shape with mesh dim ``mesh_dim`` (and any RaggedShard) Replicate."""
     pl = list(replace_ragged(spec.placements, Replicate()))
     pl[mesh_dim] = Replicate()
-    coord = spec.mesh.get_coordinate()
-    return compute_local_shape_at(spec.shape, tuple(spec.mesh.shape), tuple(coord), pl)
+    return inner_shape(spec.shape, spec.mesh, pl)
 
 
 def _ranges(p: Placement, inner: Sequence[int], n: int) -> Ranges | None:
@@ -104,6 +106,26 @@ def _exchange(
     return out.view(-1, *inner[1:])
 
 
+def _reduce_scatter(
+    local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, mesh_dim: int
+) -> torch.Tensor | None:
+    """``Partial("sum") -> RaggedShard`` on ``mesh_dim``: one reduce-scatter of the target
+    slices padded to the longest; ``None`` for any other step."""
+    s, d = src.placements[mesh_dim], dst.placements[mesh_dim]
+    if not (isinstance(s, Partial) and not is_private_partial(s) and s.reduce_op == "sum"):
+        return None
+    if not isinstance(d, RaggedShard):
+        return None
+    ranges = d.local_ranges(_inner(src, mesh_dim))
+    longest = max(n for _, n in ranges)
+    flat = wait_local(local).contiguous().view(-1)
+    if len({n for _, n in ranges}) > 1:
+        pad = flat.new_zeros(longest)
+        flat = torch.cat([t for o, n in ranges for t in (flat[o : o + n], pad[n:])])
+    out = funcol.reduce_scatter_tensor(flat, "sum", 0, (src.mesh, mesh_dim))
+    return out[: ranges[src.mesh.get_local_rank(mesh_dim)][1]]
+
+
 def _gather(local: torch.Tensor, spec: DTensorSpec, mesh_dim: int) -> torch.Tensor:
     """The inner tensor from every rank's slice: one all-gather over ``mesh_dim``, of the
     slices padded to the longest."""
@@ -140,6 +162,8 @@ def redistribute_ragged(
     changed = [m for m, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b]
     if len(changed) == 1:
         out = _exchange(local, src, dst, changed[0])
+        if out is None:
+            out = _reduce_scatter(local, src, dst, changed[0])
         if out is not None:
             return out if async_op else wait_local(out)
     found = find_ragged(src.placements)

@@ -2,7 +2,8 @@
 
 ``fingerprint`` (the last pass) describes each collective of the final graph as
 ``kind dtype[shape] over mesh dim d of n`` (rank-independent: ranks in different groups
-of one mesh dim issue the same sequence), with graph boundaries: ``wait on input
+of one mesh dim issue the same sequence; an all-to-all's shape is left out, its splits may
+be uneven), with graph boundaries: ``wait on input
 dtype[shape]: collective issued before this graph`` where the graph waits for a collective
 issued before it, ``..., waited after this graph`` for a collective it returns unwaited.
 It reports the list (``ctx.reports["fingerprint"]``). :func:`from_local_calls` describes the
@@ -54,8 +55,10 @@ def fingerprint(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMod
         if rec is not None:
             group = f"mesh dim {rec['mesh_dim']}" if rec["mesh_dim"] is not None else "group"
             after = ", waited after this graph" if rec.get("waited") == "after graph" else ""
+            # an all-to-all's sizes may differ by rank (uneven splits: RaggedShard)
+            size = "" if rec["kind"] == "all_to_all" else shape
             lines.append(
-                f"{rec['kind']} {rec['dtype']}{shape} over {group} of "
+                f"{rec['kind']} {rec['dtype']}{size} over {group} of "
                 f"{len(rec['group_ranks'])}{after} @ {rec['source'] or '?'}"
             )
     ctx.reports["fingerprint"] = lines
