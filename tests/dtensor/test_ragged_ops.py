@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import vescale
 from tests.harness.collectives import count_collectives
-from vescale import Partial, RaggedShard, Replicate
+from vescale import Partial, RaggedShard, Replicate, Shard
 
 INF = math.inf
 
@@ -329,10 +329,80 @@ def test_reductions_pool4(pool4, fn):
     pool4.run(fn)
 
 
+@pytest.mark.parametrize("foreach", [None, True], ids=["default", "foreach"])
 @pytest.mark.parametrize("norm_type", [2.0, INF], ids=["2", "inf"])
-def test_clip_grad_norm_pool4(pool4, norm_type):
-    pool4.run(clip_grad_norm, norm_type, None)
+def test_clip_grad_norm_pool4(pool4, norm_type, foreach):
+    pool4.run(clip_grad_norm, norm_type, foreach)
 
 
 def test_clip_grad_norm_pool2(pool2):
     pool2.run(clip_grad_norm, 2.0, None)
+
+
+# ---- beside other placements on a 2x2 mesh -----------------------------------------------
+
+LAYOUTS_2D = [
+    ((8, 6), [Shard(1), RaggedShard((0,), (1, 3))]),
+    ((4, 6), [RaggedShard((0, 1), (5, 7)), Replicate()]),
+    ((6, 4), [Shard(0), RaggedShard((0,), (0, 1))]),
+]
+
+
+def mesh_2d() -> None:
+    """Element-wise ops, AdamW, full reductions and clip_grad_norm_ with the RaggedShard
+    beside Shard or Replicate: equal to one device (locals as distribute_tensor lays out); a
+    reduction's value read with one all-reduce per sharded mesh dim (as for Shard)."""
+    mesh = vescale.init_device_mesh("cpu", (2, 2))
+    torch.manual_seed(7)
+    values = [torch.randn(shape, dtype=torch.float64) for shape, _ in LAYOUTS_2D]
+    grads = [torch.randn_like(v) for v in values]
+    for v, (_, placements) in zip(values, LAYOUTS_2D):
+        x = vescale.distribute_tensor(v, mesh, placements)
+        with count_collectives() as counts:
+            y = (x * 2.0 + x.exp()).mul_(x)
+            total, norm, top = (
+                x.sum(),
+                torch.linalg.vector_norm(x),
+                torch.linalg.vector_norm(x, INF),
+            )
+        assert sum(counts.values()) == 0, dict(counts)
+        expected = (v * 2.0 + v.exp()).mul_(v)
+        assert y.placements == tuple(placements)
+        assert torch.equal(
+            y.to_local(), vescale.distribute_tensor(expected, mesh, placements).to_local()
+        )
+        assert torch.equal(y.full_tensor(), expected)
+        for out, ref in [
+            (total, v.sum()),
+            (norm, torch.linalg.vector_norm(v)),
+            (top, v.abs().max()),
+        ]:
+            with count_collectives() as counts:
+                value = out.full_tensor()
+            sharded = sum(not p.is_replicate() for p in placements)  # one per mesh dim, as Shard
+            assert dict(counts) == {"all_reduce": sharded}, (placements, dict(counts))
+            torch.testing.assert_close(value, ref, rtol=1e-12, atol=1e-12)
+
+    ref = [torch.nn.Parameter(v.clone()) for v in values]
+    params = [
+        torch.nn.Parameter(vescale.distribute_tensor(v, mesh, placements))
+        for v, (_, placements) in zip(values, LAYOUTS_2D)
+    ]
+    for r, q, g in zip(ref, params, grads):
+        r.grad = g.clone()
+        q.grad = vescale.distribute_tensor(g, mesh, q.placements)
+    expected_norm = torch.nn.utils.clip_grad_norm_(ref, 0.5)
+    torch.testing.assert_close(
+        torch.nn.utils.clip_grad_norm_(params, 0.5).full_tensor(), expected_norm, rtol=1e-12, atol=0
+    )
+    ref_opt = torch.optim.AdamW(ref, lr=0.05, weight_decay=0.1, foreach=True)
+    opt = torch.optim.AdamW(params, lr=0.05, weight_decay=0.1, foreach=True)
+    ref_opt.step()
+    opt.step()
+    for r, q, (_, placements) in zip(ref, params, LAYOUTS_2D):
+        assert q.placements == tuple(placements)
+        torch.testing.assert_close(q.full_tensor(), r.detach(), rtol=1e-12, atol=0)
+
+
+def test_mesh_2d(pool4):
+    pool4.run(mesh_2d)
