@@ -29,7 +29,6 @@ from vescale.plan.cost import (
     strategy_compute_s,
     tensor_bytes,
 )
-from vescale.plan.handlers import handler_strategies
 from vescale.plan.memory import Memory, memory_model
 from vescale.plan.propagate import NodeStrategies, Placements, Value, propagate, value_of
 from vescale.plan.solve import (
@@ -167,7 +166,7 @@ def place(
     start = time.perf_counter()
     flat = flattens(mesh)
     with _progress.stage("propagate") as shown:
-        table = propagate(joint.gm, mesh, fixed, handler_strategies)
+        table = propagate(joint.gm, mesh, fixed)
         shown.detail = f"{len(table)} nodes"
     propagated = time.perf_counter()
     activations = _derived_from_inputs(joint)

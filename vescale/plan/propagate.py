@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,31 +170,16 @@ def _depends_on_inputs(node: torch.fx.Node, table: dict[torch.fx.Node, NodeStrat
     return any(table[value_of(a)[0]].source != "constant" for a in node.all_input_nodes)
 
 
-Refine = Callable[
-    [NodeStrategies, DeviceMesh, "dict[torch.fx.Node, NodeStrategies]"], NodeStrategies
-]
-
-
 def propagate(
     gm: torch.fx.GraphModule,
     mesh: DeviceMesh,
     fixed: dict[str, Placements | list[Placements]],
-    refine: Refine | None = None,
 ) -> dict[torch.fx.Node, NodeStrategies]:
     """Strategies of every node of ``gm`` (placeholders: ``fixed[name]``, a list of them for
     an input whose placements the solver chooses (:class:`vescale.plan.Batch`), or, when
     absent, every placement of :func:`free_candidates`). Getitem nodes are not listed: consumers
-    read ``(tuple node, index)`` directly. ``refine`` may replace a node's strategies
-    before its consumers see them."""
-    return _propagate(gm, mesh, fixed, refine)
-
-
-def _propagate(
-    gm: torch.fx.GraphModule,
-    mesh: DeviceMesh,
-    fixed: dict[str, Placements | list[Placements]],
-    refine: Refine | None,
-) -> dict[torch.fx.Node, NodeStrategies]:
+    read ``(tuple node, index)`` directly. Ops a vescale handler runs get the strategies it
+    declares (:func:`_handler_strategies`)."""
     table: dict[torch.fx.Node, NodeStrategies] = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -232,8 +216,7 @@ def _propagate(
             if found is None:
                 _, _, inputs = _schema_args(node, table, mesh)
                 found = _replicated(node, inputs, mesh, f"replicated fallback: {why}")
-            found = _handler_strategies(found, mesh, table)
-            table[node] = refine(found, mesh, table) if refine is not None else found
+            table[node] = _handler_strategies(found, mesh, table)
     return table
 
 

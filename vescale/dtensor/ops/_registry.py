@@ -68,10 +68,16 @@ from vescale.dtensor.op_args import bind
 __all__ = [
     "MAX_COMBINATIONS",
     "PROPAGATOR",
+    "Collective",
+    "HandledOp",
+    "HandlerStrategy",
     "Hook",
     "OpHooks",
     "bypass_dispatch",
     "bypass_sharding_prop",
+    "declare_handler_strategies",
+    "handled_op",
+    "handler_strategy",
     "hooks_of",
     "on_hooks_changed",
     "op_list",
@@ -84,6 +90,7 @@ __all__ = [
     "rule_ops",
     "schema_info",
     "strategies",
+    "takes_over",
     "unregister_bypass_dispatch",
     "unregister_bypass_sharding_prop",
     "unregister_post_dispatch_patch",
@@ -543,9 +550,7 @@ class HandledOp:
 _HANDLED: dict[OpOverload, HandledOp] = {}
 
 
-def declare_handler_strategies(
-    op: Ops, *, layout_arg: str
-) -> Callable[[Declaration], Declaration]:
+def declare_handler_strategies(op: Ops, *, layout_arg: str) -> Callable[[Declaration], Declaration]:
     """``@declare_handler_strategies(op, layout_arg=name)``: the strategies ``op``'s bypass
     handler implements (see :class:`HandledOp`)."""
 

@@ -15,18 +15,32 @@ nonlinear, is reduced; explicit mode applies). Then ``mean`` over a sharded inpu
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
+from vescale._torch_compat import DTensorSpec
 from vescale.dtensor.dtensor import wrap_local
 from vescale.dtensor.explicit import redistribute_for
 from vescale.dtensor.hooks import bypass_dispatch, python_dispatch
 from vescale.dtensor.inflight import wait_local
-from vescale.dtensor.layout import contiguous_shards, local_range, sharding_mesh_dims
+from vescale.dtensor.layout import (
+    chunk_sizes,
+    contiguous_shards,
+    local_range,
+    sharding_mesh_dims,
+)
 from vescale.dtensor.op_args import bind, unbind
+from vescale.dtensor.ops._registry import (
+    Collective,
+    HandlerStrategy,
+    declare_handler_strategies,
+    handler_strategy,
+    takes_over,
+)
 from vescale.dtensor.placement_types import Partial, Placement, Replicate
 
 __all__ = [
@@ -39,7 +53,8 @@ __all__ = [
 ]
 
 aten = torch.ops.aten
-MEAN, SUM = 1, 2  # torch's reduction enum (none=0)
+NONE, MEAN, SUM = 0, 1, 2  # torch's reduction enum
+Placements = tuple[Placement, ...]
 
 ELEMENTWISE_LOSSES = [
     aten.mse_loss.default,
@@ -104,14 +119,46 @@ def global_mean_loss(
 #   when ranks hold different numbers of ignored targets, and refused uneven batches).
 #   ``total_weight`` is that global weight for ``mean`` (``Partial`` otherwise).
 # * ``nll_loss_backward``: local, with the local target range and the global total weight.
+#
+# Each handler's strategy (input layouts, output placements, collectives) is declared beside
+# it (``declare_handler_strategies``): the handler runs exactly where one is declared, lays its
+# inputs out as declared, and the planner prices the same strategy.
 
 
-def _mesh_dims_sharding(t: _UpstreamDTensor, dim: int) -> list[int]:
-    return sharding_mesh_dims(t.device_mesh, t.placements, dim)
+def _is_spec(a: object) -> bool:
+    return isinstance(a, DTensorSpec)
 
 
-def _shard_only(t: object) -> bool:
-    return isinstance(t, _UpstreamDTensor) and not any(p.is_partial() for p in t.placements)
+def _sharded_dims(spec: Any, dim: int) -> list[int]:
+    """Mesh dims sharding ``dim`` of ``spec`` (a non-scalar spec with no Partial), else []."""
+    if not _is_spec(spec) or spec.ndim == 0 or any(p.is_partial() for p in spec.placements):
+        return []
+    return sharding_mesh_dims(spec.mesh, spec.placements, dim % spec.ndim)
+
+
+def _row_bytes(spec: DTensorSpec, dim: int, dtype: torch.dtype) -> int:
+    """Bytes of the largest local shard of ``spec``'s tensor reduced over ``dim`` (keepdim)."""
+    shape = list(spec.shape)
+    shape[dim] = 1
+    for i, p in enumerate(spec.placements):
+        if p.is_shard():
+            d = p.dim  # type: ignore[attr-defined]
+            shape[d] = chunk_sizes(shape[d], spec.mesh.size(i))[0]
+    return math.prod(shape) * dtype.itemsize
+
+
+def _laid_out(
+    op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[dict[str, Any], HandlerStrategy]:
+    """``op``'s arguments by name, each tensor laid out as the handler's declared strategy
+    says, and that strategy."""
+    strategy = handler_strategy(op, args, kwargs)
+    assert strategy is not None, f"{op}: its handler runs only where it declares a strategy"
+    a = bind(op, args, kwargs)
+    for name, placements in strategy.inputs.items():
+        if placements is not None and tuple(a[name]._spec.placements) != placements:
+            a[name] = redistribute_for(op, a[name], placements)
+    return a, strategy
 
 
 def _all_reduce(t: torch.Tensor, op: str, mesh: Any, mesh_dims: list[int]) -> torch.Tensor:
@@ -123,25 +170,28 @@ def _all_reduce(t: torch.Tensor, op: str, mesh: Any, mesh_dims: list[int]) -> to
     return t
 
 
-def _over_sharded_dim(x: Any, dim: int) -> bool:
-    """``x`` a non-scalar DTensor, none of its placements Partial, sharded along ``dim``."""
-    return _shard_only(x) and x.ndim > 0 and bool(_mesh_dims_sharding(x, dim % x.ndim))
+@declare_handler_strategies(aten._log_softmax.default, layout_arg="self")
+def _log_softmax_strategy(op: torch._ops.OpOverload, a: dict[str, Any]) -> HandlerStrategy | None:
+    """Over a sharded dim (no Partial, not ``half_to_float``): the input's placements, two
+    all-reduces (max, sum) of the rows per sharding mesh dim."""
+    x = a["self"]
+    dims = _sharded_dims(x, a["dim"])
+    if not dims or a["half_to_float"]:
+        return None
+    rows = _row_bytes(x, a["dim"] % x.ndim, x.tensor_meta.dtype)
+    steps = tuple(Collective("all_reduce", d, rows) for _ in ("max", "sum") for d in dims)
+    return HandlerStrategy({"self": tuple(x.placements)}, (tuple(x.placements),), steps)
 
 
-def _log_softmax_applies(op: torch._ops.OpOverload, args: Any, kwargs: Any) -> bool:
-    a = bind(op, args, kwargs)
-    return _over_sharded_dim(a["self"], a["dim"]) and not a["half_to_float"]
-
-
-@bypass_dispatch(aten._log_softmax.default, when=_log_softmax_applies)
+@bypass_dispatch(aten._log_softmax.default, when=takes_over)
 def sharded_log_softmax(
     op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """``_log_softmax`` over a sharded dim without gathering it (see above)."""
-    a = bind(op, args, kwargs)
+    a, _ = _laid_out(op, args, kwargs)
     x = a["self"]
     dim = a["dim"] % x.ndim
-    mesh, mesh_dims = x.device_mesh, _mesh_dims_sharding(x, dim)
+    mesh, mesh_dims = x.device_mesh, _sharded_dims(x._spec, dim)
     local = wait_local(x._local_tensor)
     empty = local.shape[dim] == 0
     shift = (
@@ -154,87 +204,111 @@ def sharded_log_softmax(
     return wrap_local(local - shift - total.log(), x.device_mesh, x.placements, x.shape)
 
 
-def _log_softmax_backward_applies(op: torch._ops.OpOverload, args: Any, kwargs: Any) -> bool:
-    a = bind(op, args, kwargs)
-    out = a["output"]
-    return _over_sharded_dim(out, a["dim"]) and out.dtype == a["input_dtype"]
+@declare_handler_strategies(aten._log_softmax_backward_data.default, layout_arg="output")
+def _log_softmax_backward_strategy(
+    op: torch._ops.OpOverload, a: dict[str, Any]
+) -> HandlerStrategy | None:
+    """Over a sharded dim of ``output`` (no Partial, same dtype as the input): the gradient
+    laid out as ``output``, one all-reduce of its row sums per sharding mesh dim."""
+    out, grad = a["output"], a["grad_output"]
+    dims = _sharded_dims(out, a["dim"])
+    if not dims or not _is_spec(grad) or out.tensor_meta.dtype != a["input_dtype"]:
+        return None
+    p = tuple(out.placements)
+    rows = _row_bytes(out, a["dim"] % out.ndim, grad.tensor_meta.dtype)
+    steps = tuple(Collective("all_reduce", d, rows) for d in dims)
+    return HandlerStrategy({"grad_output": p, "output": p}, (p,), steps)
 
 
-@bypass_dispatch(aten._log_softmax_backward_data.default, when=_log_softmax_backward_applies)
+@bypass_dispatch(aten._log_softmax_backward_data.default, when=takes_over)
 def sharded_log_softmax_backward(
     op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """``grad - exp(out) * sum(grad, dim)`` with the sum all-reduced over the sharding mesh dims."""
-    a = bind(op, args, kwargs)
+    a, _ = _laid_out(op, args, kwargs)
     grad, out = a["grad_output"], a["output"]
     dim = a["dim"] % out.ndim
-    grad = redistribute_for(op, grad, out.placements)
     g, o = wait_local(grad._local_tensor), wait_local(out._local_tensor)
     total = _all_reduce(
-        g.sum(dim, keepdim=True), "sum", out.device_mesh, _mesh_dims_sharding(out, dim)
+        g.sum(dim, keepdim=True), "sum", out.device_mesh, _sharded_dims(out._spec, dim)
     )
     return wrap_local(g - o.exp() * total, out.device_mesh, out.placements, out.shape)
 
 
-def _nll_layout(x: _UpstreamDTensor) -> tuple[list[int], list[int], int]:
-    """(class-sharding mesh dims, batch-sharding mesh dims, global offset of the local classes)."""
-    class_dim = 1 if x.ndim == 2 else 0
-    start, _ = local_range(x.shape, x.device_mesh, x.placements, class_dim)
-    batch = _mesh_dims_sharding(x, 0) if x.ndim == 2 else []
-    return _mesh_dims_sharding(x, class_dim), batch, start
-
-
-def _local_target(
-    target: torch.Tensor, offset: int, n_local: int, ignore_index: int
-) -> torch.Tensor:
-    local = target - offset
-    inside = (local >= 0) & (local < n_local) & (target != ignore_index)
-    return torch.where(inside, local, torch.full_like(local, ignore_index))
-
-
-def _nll_inputs(
-    op: torch._ops.OpOverload, x: _UpstreamDTensor, target: Any, weight: Any
-) -> tuple[torch.Tensor, torch.Tensor | None, list[Placement]]:
-    """(target, full class weight or None, target placements): the target follows the batch
-    placements of ``x`` and is replicated over its class-sharding mesh dims."""
-    want = [p if x.ndim == 2 and p.is_shard(0) else Replicate() for p in x.placements]
-    target = redistribute_for(op, target, want)
-    if weight is not None:
-        weight = wait_local(
-            redistribute_for(op, weight, [Replicate()] * x.device_mesh.ndim)._local_tensor
-        )
-    return wait_local(target._local_tensor), weight, want
-
-
-def _nll_applies(op: torch._ops.OpOverload, args: Any, kwargs: Any) -> bool:
-    """Sharded or Partial (nll is linear in its input) ``(N, C)`` / ``(C,)`` input."""
-    a = bind(op, args, kwargs)
-    x, target = a["self"], a["target"]
-    return (
-        isinstance(x, _UpstreamDTensor)
-        and isinstance(target, _UpstreamDTensor)
+@declare_handler_strategies(
+    [aten.nll_loss_forward.default, aten.nll_loss_backward.default], layout_arg="self"
+)
+def _nll_strategy(op: torch._ops.OpOverload, a: dict[str, Any]) -> HandlerStrategy | None:
+    """On ``(N, C)`` / ``(C,)`` input sharded (contiguous shards) or Partial over some mesh
+    dim, target and weight DTensors: the target follows the input's batch sharding and is
+    replicated elsewhere, the weight replicated (see above for the outputs)."""
+    x, weight, reduction = a["self"], a["weight"], a["reduction"]
+    if not (
+        _is_spec(x)
+        and _is_spec(a["target"])
+        and (weight is None or _is_spec(weight))
         and x.ndim in (1, 2)
         and contiguous_shards(x.placements)
-        and any(
-            not p.is_replicate() and x.device_mesh.size(i) > 1 for i, p in enumerate(x.placements)
-        )
+        and any(not p.is_replicate() and x.mesh.size(i) > 1 for i, p in enumerate(x.placements))
+    ):
+        return None
+    mesh = x.mesh
+    rep: Placements = (Replicate(),) * mesh.ndim
+    batch = sharding_mesh_dims(mesh, x.placements, 0) if x.ndim == 2 else []
+    target = tuple(p if x.ndim == 2 and p.is_shard(0) else Replicate() for p in x.placements)
+    inputs: dict[str, Placements | None] = {"self": tuple(x.placements), "target": target}
+    if weight is not None:
+        inputs["weight"] = rep
+    if op == aten.nll_loss_backward.default:
+        if not _is_spec(a["grad_output"]):
+            return None
+        inputs["grad_output"] = target if reduction == NONE else rep
+        if _is_spec(a["total_weight"]):  # the global weight for mean; unused otherwise
+            inputs["total_weight"] = rep if reduction == MEAN else None
+        grad_in = tuple(Replicate() if p.is_partial() else p for p in x.placements)
+        return HandlerStrategy(inputs, (grad_in,))
+    class_dims = sharding_mesh_dims(mesh, x.placements, x.ndim - 1)
+    partial = {i for i, p in enumerate(x.placements) if p.is_partial()}
+    loss_dims = set(class_dims) | set(batch) | partial
+    loss: Placements = (
+        tuple(Partial() if i in loss_dims and i not in batch else p for i, p in enumerate(target))
+        if reduction == NONE  # per-sample losses, sharded like the target over the batch
+        else tuple(Partial() if i in loss_dims else Replicate() for i in range(mesh.ndim))
     )
+    if reduction == MEAN:
+        steps = tuple(Collective("all_reduce", d, x.tensor_meta.dtype.itemsize) for d in batch)
+        return HandlerStrategy(inputs, (loss, rep), steps)
+    total = tuple(Partial() if i in batch else Replicate() for i in range(mesh.ndim))
+    return HandlerStrategy(inputs, (loss, total))
 
 
-@bypass_dispatch(aten.nll_loss_forward.default, when=_nll_applies)
+def _local_nll_args(
+    a: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(local input, global target rows here, local target, full weight, local weight):
+    targets outside this rank's class range count as ignored."""
+    x, ignore_index = a["self"], a["ignore_index"]
+    local = wait_local(x._local_tensor)
+    t = wait_local(a["target"]._local_tensor)
+    offset, _ = local_range(x.shape, x.device_mesh, x.placements, x.ndim - 1)
+    n_local = local.shape[-1]
+    w = None if a["weight"] is None else wait_local(a["weight"]._local_tensor)
+    lt = t - offset
+    inside = (lt >= 0) & (lt < n_local) & (t != ignore_index)
+    lt = torch.where(inside, lt, torch.full_like(lt, ignore_index))
+    return local, t, lt, w, None if w is None else w[offset : offset + n_local]
+
+
+@bypass_dispatch(aten.nll_loss_forward.default, when=takes_over)
 def sharded_nll_loss(
     op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """``nll_loss_forward`` on batch- and/or class-sharded input (see above)."""
-    x, target, weight, reduction, ignore_index = bind(op, args, kwargs).values()
-    class_dims, batch_dims, offset = _nll_layout(x)
-    t, w, t_placements = _nll_inputs(op, x, target, weight)
-    local = wait_local(x._local_tensor)
-    n_local = local.shape[-1 if x.ndim == 2 else 0]
-    w_local = None if w is None else w[offset : offset + n_local]
-    lt = _local_target(t, offset, n_local, ignore_index)
+    a, strategy = _laid_out(op, args, kwargs)
+    reduction, ignore_index = a["reduction"], a["ignore_index"]
+    local, t, lt, w, w_local = _local_nll_args(a)
     kernel_reduction = SUM if reduction == MEAN else reduction
-    out, _ = torch.ops.aten.nll_loss_forward(local, lt, w_local, kernel_reduction, ignore_index)
+    out, _ = aten.nll_loss_forward(local, lt, w_local, kernel_reduction, ignore_index)
     counted = t != ignore_index
     picked = (
         torch.ones_like(t, dtype=local.dtype)
@@ -242,45 +316,26 @@ def sharded_nll_loss(
         else w[torch.where(counted, t, 0)].to(local.dtype)
     )
     total = (picked * counted).sum()
-    mesh = x.device_mesh
-    partial_dims = [i for i, p in enumerate(x.placements) if p.is_partial()]
-    loss_dims = set(class_dims) | set(batch_dims) | set(partial_dims)
-    partial = [Partial() if i in loss_dims else Replicate() for i in range(mesh.ndim)]
+    mesh = a["self"].device_mesh
     if reduction == MEAN:
-        total = _all_reduce(total, "sum", mesh, batch_dims)
+        total = _all_reduce(total, "sum", mesh, [c.mesh_dim for c in strategy.collectives])
         out = out / total
-        total_placements: list[Placement] = [Replicate()] * mesh.ndim
-    else:
-        total_placements = [Partial() if i in batch_dims else Replicate() for i in range(mesh.ndim)]
-    if reduction == 0:  # none: per-sample losses, sharded like the target over the batch
-        out_placements = [
-            Partial() if i in loss_dims and i not in batch_dims else p
-            for i, p in enumerate(t_placements)
-        ]
-        out_t = wrap_local(out, x.device_mesh, out_placements, target.shape)
-    else:
-        out_t = wrap_local(out, x.device_mesh, partial, ())
-    return out_t, wrap_local(total, x.device_mesh, total_placements, ())
+    loss, total_placements = strategy.outputs
+    shape = a["target"].shape if reduction == NONE else ()
+    return wrap_local(out, mesh, loss, shape), wrap_local(total, mesh, total_placements, ())
 
 
-@bypass_dispatch(aten.nll_loss_backward.default, when=_nll_applies)
+@bypass_dispatch(aten.nll_loss_backward.default, when=takes_over)
 def sharded_nll_loss_backward(
     op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """Local ``nll_loss_backward`` with the local class range and the global total weight."""
-    grad, x, target, weight, reduction, ignore_index, total = bind(op, args, kwargs).values()
-    _, _, offset = _nll_layout(x)
-    t, w, t_placements = _nll_inputs(op, x, target, weight)
-    mesh = x.device_mesh
-    grad_placements = t_placements if reduction == 0 else [Replicate()] * mesh.ndim
-    g = wait_local(redistribute_for(op, grad, grad_placements)._local_tensor)
+    a, strategy = _laid_out(op, args, kwargs)
+    local, _, lt, _, w_local = _local_nll_args(a)
+    g = wait_local(a["grad_output"]._local_tensor)
+    total = a["total_weight"]
     if isinstance(total, _UpstreamDTensor):  # global for mean; unused by sum and none
         total = wait_local(total._local_tensor)
-    local = wait_local(x._local_tensor)
-    n_local = local.shape[-1 if x.ndim == 2 else 0]
-    w_local = None if w is None else w[offset : offset + n_local]
-    lt = _local_target(t, offset, n_local, ignore_index)
-    out = torch.ops.aten.nll_loss_backward(g, local, lt, w_local, reduction, ignore_index, total)
-    return wrap_local(
-        out, x.device_mesh, [Replicate() if p.is_partial() else p for p in x.placements], x.shape
-    )
+    out = aten.nll_loss_backward(g, local, lt, w_local, a["reduction"], a["ignore_index"], total)
+    x = a["self"]
+    return wrap_local(out, x.device_mesh, strategy.outputs[0], x.shape)
