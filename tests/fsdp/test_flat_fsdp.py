@@ -5,6 +5,7 @@ rank's share, with whole rows on each rank; the gathered parameters views of one
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 
@@ -15,19 +16,19 @@ import torch
 import vescale
 from tests.harness.collectives import C10D_KINDS, count_collectives
 from tests.harness.misuse import error_everywhere
-from vescale.fsdp import flat_group, fully_shard, plan_layout
+from vescale.fsdp import MixedPrecisionPolicy, flat_group, fully_shard, plan_layout
 
 CFG = gpt.GPTConfig(layers=2)
 STEPS = 3
 
 
-def _models(world: int):
+def _models(world: int, **kwargs):
     ref = gpt.build(CFG).double()
     model = gpt.build(CFG).double()
     mesh = vescale.init_device_mesh("cpu", (world,))
     for block in model.blocks:
-        fully_shard(block, mesh)
-    fully_shard(model, mesh)
+        fully_shard(block, mesh, **kwargs)
+    fully_shard(model, mesh, **kwargs)
     return ref, model
 
 
@@ -70,6 +71,55 @@ def test_training_equals_one_device_pool2(pool2, opt_name):
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
 def test_training_equals_one_device_pool4(pool4, opt_name):
     assert max(pool4.run(_train_vs_one_device, opt_name)) < 1e-10
+
+
+def _mixed_precision_vs_one_device() -> None:
+    """float64 master, float32 compute and reduction, against one device doing the same:
+    a float32 copy of the master runs forward and backward on the whole batch, its
+    gradients update the float64 master."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32)
+    ref, model = _models(world, mp_policy=policy)
+    seen = set()
+    model.blocks[0].attn.q.register_forward_pre_hook(lambda m, _: seen.add(m.weight.dtype))
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        ids, targets, my_ids, my_targets = _local_batch(step, rank, world)
+        low = copy.deepcopy(ref).float()
+        low(ids, targets).backward()
+        for p, q in zip(ref.parameters(), low.parameters()):
+            p.grad = q.grad.double()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        model(my_ids, my_targets).backward()
+        assert all(p.grad.dtype == torch.float64 for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+    assert seen == {torch.float32}
+    for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
+        assert p.dtype == torch.float64, name
+        assert torch.allclose(p.full_tensor(), p_ref, rtol=1e-5, atol=1e-6), name
+
+
+def test_mixed_precision_equals_one_device(pool2):
+    pool2.run(_mixed_precision_vs_one_device)
+
+
+def _gradient_accumulation() -> None:
+    """Two micro-batches before one step: the sharded gradients accumulate as one device's."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    ref, model = _models(world)
+    for step in range(2):
+        ids, targets, my_ids, my_targets = _local_batch(step, rank, world)
+        ref(ids, targets).backward()
+        model(my_ids, my_targets).backward()
+    for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
+        assert torch.allclose(p.grad.full_tensor(), p_ref.grad, rtol=1e-10, atol=1e-12), name
+
+
+def test_gradient_accumulation(pool2):
+    pool2.run(_gradient_accumulation)
 
 
 def _collectives_per_step() -> tuple[dict[str, int], dict[str, int], int]:

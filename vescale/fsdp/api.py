@@ -10,6 +10,10 @@ each call takes the parameters of ``module`` not already taken by an inner call.
   needs first) and arm a hook on the outputs that re-gathers it when their gradient arrives
   and prefetches the module before it;
 * backward: one reduce-scatter per module (``_Unshard.backward``), then the buffer is freed.
+
+Under ``torch.compile`` the hooks stay eager (``torch.compiler.disable``): the module's
+compute compiles into graphs between them, and the collectives are issued by the hooks as in
+eager (the backend's passes see none of them).
 """
 
 from __future__ import annotations
@@ -135,6 +139,7 @@ class _State:
         self.schedule = _Schedule()
         self.is_root = False
 
+    @torch.compiler.disable  # eager collectives between compiled graphs (see the module doc)
     def pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         self.is_root = not _ACTIVE
         if self.is_root:
@@ -156,6 +161,7 @@ class _State:
             )
         return args, kwargs
 
+    @torch.compiler.disable
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         group = self.group
         for (owner, attr), p in zip(group.owners, group.sharded):
