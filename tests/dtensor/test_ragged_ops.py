@@ -189,6 +189,8 @@ OPTIMIZERS = {
     ),
     "adam": lambda ps, fe: torch.optim.Adam(ps, lr=0.05, weight_decay=0.1, foreach=fe),
     "adamw": lambda ps, fe: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1, foreach=fe),
+    "adam-fused": lambda ps, fe: torch.optim.Adam(ps, lr=0.05, weight_decay=0.1, fused=True),
+    "adamw-fused": lambda ps, fe: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1, fused=True),
 }
 STEPS = 3
 
@@ -220,8 +222,10 @@ def optimizer_steps(name: str, foreach: bool) -> None:
                 assert type(state) is vescale.DTensor and state.placements == (p,), key
 
 
-@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+RUNS = [(n, fe) for n in OPTIMIZERS for fe in ([False] if "fused" in n else [False, True])]
+
+
+@pytest.mark.parametrize(("name", "foreach"), RUNS, ids=[f"{n}-foreach={fe}" for n, fe in RUNS])
 def test_optimizer_equals_one_device(pool4, name, foreach):
     pool4.run(optimizer_steps, name, foreach)
 

@@ -4,7 +4,8 @@ optimizers' foreach ops, and reductions to a value (sum, mean, vector norms).
 A RaggedShard's local tensor is the rank's 1-D slice of the flattened storage, so
 
 * element-wise ops (upstream's ``pointwise``-tagged ops, ``_foreach_*`` element-wise ops,
-  ``*_like`` factories, ``copy_``, ``fill_``, ``zero_``, ``_to_copy``) run on the slices
+  ``*_like`` factories, ``copy_``, ``fill_``, ``zero_``, ``_to_copy``, the fused Adam(W)
+  kernels) run on the slices
   as they are, for inputs laid out alike: per position (per list entry of a foreach op) every
   tensor has the same placements and shape, or is a 0-d ``Replicate`` scalar (broadcast),
   or a ``Replicate`` tensor of the same shape (sliced locally, no communication). The output
@@ -64,6 +65,10 @@ _EXTRA = [
     aten.fill_.Tensor,
     aten.zero_.default,
     aten._to_copy.default,
+    aten._fused_adam_.default,
+    aten._fused_adam_.tensor_lr,
+    aten._fused_adamw_.default,
+    aten._fused_adamw_.tensor_lr,
 ]
 
 
