@@ -346,3 +346,22 @@ def test_compiled_redistribution(pool2):
     """Under backend="vescale" (one graph): the all-gather and the uneven all-to-all, whose
     sizes differ by rank, pass the rank-consistency check and give the eager values."""
     pool2.run(_check_compiled)
+
+
+def test_meta_mesh_redistribution_gives_local_shapes():
+    """On a meta mesh (shape-only planning) nothing is communicated: the local shape of the
+    target at coordinate (0, 0)."""
+    from vescale.dtensor.placement_types import make_spec
+    from vescale.dtensor.redistribute import redistribute_local_tensor
+
+    mesh = vescale.DeviceMesh("meta", torch.arange(4).view(2, 2))
+
+    def spec(placements):
+        return make_spec(mesh, placements, SHAPE, (5, 1), torch.float64)
+
+    ragged = spec([RaggedShard((0,), (1, 2)), Shard(1)])
+    local = torch.empty(6, device="meta")  # 2 of 6 rows of the (6, 3) column chunk
+    out = redistribute_local_tensor(local, ragged, spec([Replicate(), Shard(1)]))
+    assert out.shape == (6, 3) and out.device.type == "meta"
+    back = redistribute_local_tensor(out, spec([Replicate(), Shard(1)]), ragged)
+    assert back.shape == (6,)
