@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import vescale
 from tests.harness import fake_world
 from vescale import Replicate, Shard
+from vescale._node_meta import get_placements
 from vescale.backend import PASSES_OFF
 
 
@@ -55,7 +56,7 @@ def test_trace_tp_block_at_512_ranks():
     placed = [
         n
         for n in result.forward.graph.nodes
-        if n.op == "call_function" and "vescale_placements" in (n.meta.get("custom") or {})
+        if n.op == "call_function" and get_placements(n) is not None
     ]
     assert len(placed) >= 10
     assert list(result.timings_ms["forward"]) == [
@@ -112,4 +113,4 @@ def test_trace_gpt_block_at_512_ranks():
     # 32 heads over 32 tp ranks, 2 sequences per dp rank: one head of (2, 8, 2) each, no gather
     assert tuple(attention[0].args[0].meta["val"].shape) == (2, 1, 8, 2)
     out = next(u for u in attention[0].users if u.args[1] == 0)  # getitem 0: the output
-    assert out.meta["custom"]["vescale_placements"] == ("S(0)", "S(1)")
+    assert get_placements(out) == ("S(0)", "S(1)")

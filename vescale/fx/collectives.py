@@ -207,10 +207,11 @@ def _record_inputs(gm: torch.fx.GraphModule) -> str:
 
 class Records:
     """The collective records of one graph as passes rewrite it: :meth:`refresh` recomputes
-    and re-attaches them only when the graph changed since the last refresh. A change is
-    read from the graph itself (:func:`_record_inputs` before and after), so a pass cannot
-    change the graph unnoticed: a replaced graph, a moved node, new or edited node facts or
-    a record lost or edited on a node all count."""
+    and re-attaches them only when what they are computed from changed since the last
+    refresh (:func:`_record_inputs`). The change is read from the graph, not reported by the
+    pass, so none goes unnoticed: a node added, removed, moved or rewired, a collective's
+    input bytes, bucket or sources changed, or its attached record lost or edited. A copy of
+    the graph with its node facts (e.g. a new ``GraphModule``) is no change."""
 
     def __init__(self, graph: str) -> None:
         self.graph = graph
