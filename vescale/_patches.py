@@ -4,7 +4,9 @@ Three kinds of entries, each with the reason it exists:
 
 * **attribute patches** (:data:`ATTRIBUTES`, built by :func:`_attribute_table`): an
   attribute of a torch class, instance or module replaced by a function defined elsewhere in
-  vescale (modules define replacements; only this module assigns them);
+  vescale (modules define replacements; only this module assigns them), or here when it
+  concerns the seam's own entries (leaving upstream's ``loss_parallel()`` writes back the
+  handlers it popped);
 * **registry entries** written through :func:`set_entry` / :func:`remove_entry` /
   :func:`register_op_strategy`: per-op handlers, sharding strategies and scalar-shape
   adjusters in upstream DTensor's tables, recorded with the value they replaced;
