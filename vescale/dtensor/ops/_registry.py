@@ -18,8 +18,10 @@ states (e.g. all-reduce rather than   ``-> OutputSharding``           candidates
 upstream's reduce-scatter)
 output placements only; the local op  ``bypass_sharding_prop(op)``   replicated fallback
 runs on the inputs as they are
-code of its own instead of dispatch   ``bypass_dispatch(op)``         the handler's strategies
-(collectives inside)                                                  (declared beside it)
+code of its own instead of dispatch   ``bypass_dispatch(op,           the strategies declared
+(collectives inside)                  when=takes_over)``, beside      beside the handler, per
+                                      ``declare_handler_strategies``  input layout (its
+                                      ``(op, layout_arg=...)``        collectives priced inside)
 arguments changed before, or the      ``pre_dispatch_patch(op)``,     the strategies of the
 output after, dispatch                ``post_dispatch_patch(op)``     dispatched op
 a kernel below DTensor dispatch (an   ``register_kernel(op, keys,     the decomposition's ops
