@@ -365,3 +365,30 @@ def test_meta_mesh_redistribution_gives_local_shapes():
     assert out.shape == (6, 3) and out.device.type == "meta"
     back = redistribute_local_tensor(out, spec([Replicate(), Shard(1)]), ragged)
     assert back.shape == (6,)
+
+
+def _check_factories():
+    mesh = mesh_of((2, 2))
+    placements = [Shard(1), RaggedShard((0,), (1, 2))]
+    coord = coord_of((2, 2))
+    for make, ref in [
+        (vescale.dtensor.zeros, torch.zeros),
+        (vescale.dtensor.ones, torch.ones),
+        (vescale.dtensor.rand, torch.rand),
+        (vescale.dtensor.randn, torch.randn),
+    ]:
+        torch.manual_seed(5)
+        want = ref(*SHAPE, dtype=torch.float64)
+        torch.manual_seed(5)
+        d = make(*SHAPE, dtype=torch.float64, device_mesh=mesh, placements=placements)
+        assert tuple(d.placements) == tuple(placements) and d.shape == SHAPE
+        assert torch.equal(d.to_local(), ragged_expected(want, (2, 2), coord, placements)), make
+    a = vescale.dtensor.arange(
+        12, device_mesh=mesh, placements=[RaggedShard((0,), (3, 1)), Replicate()]
+    )
+    assert torch.equal(a.to_local(), torch.arange(9) if coord[0] == 0 else torch.arange(9, 12))
+
+
+def test_factories(pool4):
+    """zeros/ones/rand/randn/arange to a RaggedShard: the one-device values' slices."""
+    pool4.run(_check_factories)

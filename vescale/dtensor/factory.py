@@ -27,6 +27,7 @@ from vescale.dtensor.placement_types import (
     make_spec,
     normalize_placements,
 )
+from vescale.dtensor.ragged import find_ragged, replace_ragged
 from vescale.dtensor.redistribute import replicate_to_partial
 
 __all__ = ["arange", "empty", "full", "ones", "rand", "randn", "zeros"]
@@ -60,6 +61,13 @@ def _build(
         raise ValueError(f"{what}: only torch.strided is supported, got layout={layout}")
     mesh = _mesh(device_mesh, what)
     pl = normalize_placements(placements, mesh, len(shape), what=what, shape=shape)
+    if find_ragged(pl) is not None:  # the values laid out without it, then the local slice
+        whole = _build(
+            what, shape, fill, dtype=dtype, layout=layout, requires_grad=False,
+            device_mesh=mesh, placements=replace_ragged(pl, Replicate()), random=random,
+        )  # fmt: skip
+        out = whole.redistribute(mesh, pl, async_op=False).detach()
+        return out.requires_grad_(requires_grad)  # type: ignore[no-any-return]
     value_pl = tuple(Replicate() if p.is_partial() else p for p in pl)
     device = torch.device(mesh.device_type)
     if mesh.get_coordinate() is None:
