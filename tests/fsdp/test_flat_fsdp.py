@@ -122,6 +122,25 @@ def test_gradient_accumulation(pool2):
     pool2.run(_gradient_accumulation)
 
 
+def _forward_raises_then_trains() -> None:
+    """A forward that raises (in the root, after the blocks ran) leaves the sharded parameters in place and the
+    next step right (the hooks' state is cleaned up)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    ref, model = _models(world)
+    ids, targets, my_ids, my_targets = _local_batch(0, rank, world)
+    with pytest.raises(ValueError, match="batch_size"):
+        model(my_ids, my_targets[:, :3])  # targets of the wrong length: cross_entropy raises
+    assert all(isinstance(p, vescale.DTensor) for p in model.parameters())
+    ref(ids, targets).backward()
+    model(my_ids, my_targets).backward()
+    for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
+        assert torch.allclose(p.grad.full_tensor(), p_ref.grad, rtol=1e-10, atol=1e-12), name
+
+
+def test_forward_that_raises_leaves_a_usable_model(pool2):
+    pool2.run(_forward_raises_then_trains)
+
+
 def _collectives_per_step() -> tuple[dict[str, int], dict[str, int], int]:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     _, model = _models(world)

@@ -125,7 +125,7 @@ def fully_shard(
     module._vescale_flat_group = group  # type: ignore[assignment]
     state = _State(group, reshard_after_forward, policy.cast_forward_inputs)
     module.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
-    module.register_forward_hook(state.post_forward)
+    module.register_forward_hook(state.post_forward, always_call=True)
     return module
 
 
@@ -171,7 +171,7 @@ class _State:
             _ACTIVE.clear()
             schedule.order, schedule.recording = schedule.recording, []
         reshard = self.reshard if self.reshard is not None else not self.is_root
-        if not torch.is_grad_enabled():
+        if output is None or not torch.is_grad_enabled():  # None: forward raised
             group.free()
             return output
         if reshard:
