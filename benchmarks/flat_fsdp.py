@@ -5,14 +5,14 @@ upstream ``torch.distributed.fsdp.fully_shard`` (FSDP2, ``Shard(0)`` parameters)
 
 The plain GPT of ``examples/gpt.py`` (``--dim``, 4 layers; batch 4 sequences per rank), each
 block and the root sharded over the world (gloo, CPU), SGD. Each mode is built and warmed up;
-then ``--steps`` rounds time one step of each mode in turn (medians on rank 0). One more
-step of each runs under the profiler, which sums the CPU time of the copies outside the
-collectives, by the ops that make them:
+then ``--steps`` rounds time one step of each mode in turn (medians on rank 0). Three more
+steps of each run under the profiler, which sums the CPU time of the copies outside the
+collectives per step (the median), by the ops that make them:
 
 * FSDP2: all-gather copy-in (``fsdp::all_gather_copy_in``), copy-out
   (``fsdp::split_with_sizes_copy``), reduce-scatter copy-in (``fsdp::chunk_cat``);
 * vescale.fsdp: none around the all-gather (it fills the buffer the parameters view); the
-  reduce-scatter copy-in is each gradient written, scaled, into the flat gradient buffer
+  reduce-scatter copy-in is one ``cat`` of the gradients into the flat gradient buffer
   (``vescale.fsdp::reduce_scatter_copy_in``).
 
 Both modes run gloo's collectives, which (measured) copy inside themselves too: gloo's
@@ -67,20 +67,25 @@ def _build(cfg: gpt.GPTConfig, shard: Callable[[torch.nn.Module], None]) -> Call
         loss.backward()
         opt.step()
         opt.zero_grad()
-        return float(loss)
+        return loss.detach().item()
 
     return step
 
 
-def _copy_ms(step: Callable[[int], float]) -> dict[str, float]:
-    """CPU milliseconds per copy kind in one step (the rank's main thread)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        step(0)
-    out = dict.fromkeys(sorted(set(COPIES.values())), 0.0)
-    for e in prof.profiler.kineto_results.events():
-        if e.name() in COPIES:
-            out[COPIES[e.name()]] += (e.end_ns() - e.start_ns()) / 1e6
-    return out
+def _copy_ms(step: Callable[[int], float], steps: int = 3) -> dict[str, float]:
+    """CPU milliseconds per copy kind and step (the rank's main thread), the median of
+    ``steps`` profiled steps."""
+    per_step: dict[str, list[float]] = {kind: [] for kind in sorted(set(COPIES.values()))}
+    for i in range(steps):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            step(i)
+        got = dict.fromkeys(per_step, 0.0)
+        for e in prof.profiler.kineto_results.events():
+            if e.name() in COPIES:
+                got[COPIES[e.name()]] += (e.end_ns() - e.start_ns()) / 1e6
+        for kind, ms in got.items():
+            per_step[kind].append(ms)
+    return {kind: statistics.median(ms) for kind, ms in per_step.items()}
 
 
 def main() -> None:

@@ -11,10 +11,10 @@
   from ``shard`` (equal shares: no copy-in, no copy-out); every unsharded parameter is a
   view of it. :meth:`FlatGroup.free` drops its storage (``resize_(0)``); gathering again
   refills the same storage, so views saved by autograd see the values again in backward.
-* backward (:class:`_Unshard`): every parameter's gradient is written once (scaled by
-  ``1/world``) into its slot of one flat gradient buffer, which one async reduce-scatter
-  reduces into this rank's share while backward goes on; at the end of backward each
-  parameter's ``.grad`` becomes a RaggedShard DTensor whose local tensor views that share.
+* backward (:class:`_Unshard`): every parameter's gradient is written once into its slot of
+  one flat gradient buffer, which one async reduce-scatter sums into this rank's share while
+  backward goes on; at the end of backward the share is divided by the mesh size and each
+  parameter's ``.grad`` becomes a RaggedShard DTensor whose local tensor views it.
 
 With a ``param_dtype`` the shard stays the master copy (its dtype) and the gather sends a
 cast of it (one copy of the share: the cast itself); gradients are reduced in
@@ -181,22 +181,32 @@ class FlatGroup:
     # ---- reduce-scatter ----------------------------------------------------------------
 
     def reduce_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
-        """Issue one reduce-scatter (async) of every gradient, averaged over the mesh, and
-        queue :meth:`finish_grads` for the end of this backward."""
+        """Issue one reduce-scatter (async, a sum) of every gradient laid in one flat buffer
+        (one ``cat``: the only copy), and queue :meth:`finish_grads` for the end of this
+        backward."""
         flat = torch.empty(self._full_numel, dtype=self.reduce_dtype)
         with torch.profiler.record_function("vescale.fsdp::reduce_scatter_copy_in"):
-            for start, length in self.layout.gaps():
-                flat.narrow(0, start, length).zero_()
-            for s, shape, g in zip(self.layout.slots, self.shapes, grads):
-                out = flat.narrow(0, s.offset, s.numel).view(shape)
-                if g is None:
-                    out.zero_()
-                else:
-                    torch.div(g, self.world, out=out)
+            torch.cat(self._pieces(grads), out=flat)
         reduced = torch.empty(self.layout.share, dtype=self.reduce_dtype)
         work = dist.reduce_scatter_single(reduced, flat, group=self.pg, async_op=True)
         self._pending = (work, reduced, flat)
         torch.autograd.Variable._execution_engine.queue_callback(self.finish_grads)
+
+    def _pieces(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        """The flat gradient buffer's contents in order: each gradient flattened, zeros for
+        padding and for parameters that got no gradient."""
+        pieces, end = [], 0
+        for s, g in zip(self.layout.slots, grads):
+            if s.offset > end:
+                pieces.append(self._zeros(s.offset - end))
+            pieces.append(self._zeros(s.numel) if g is None else g.reshape(-1))
+            end = s.offset + s.numel
+        if self._full_numel > end:
+            pieces.append(self._zeros(self._full_numel - end))
+        return pieces
+
+    def _zeros(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=self.reduce_dtype)
 
     def finish_grads(self) -> None:
         """Wait for the reduce-scatter; each parameter's ``.grad`` becomes (or accumulates) a
@@ -206,8 +216,7 @@ class FlatGroup:
         work, reduced, _ = self._pending
         work.wait()
         self._pending = None
-        if reduced.dtype != self.shard.dtype:
-            reduced = reduced.to(self.shard.dtype)
+        reduced = reduced.to(self.shard.dtype).div_(self.world)  # the sum over ranks -> mean
         for i, p in enumerate(self.sharded):
             if not p.requires_grad:
                 continue
