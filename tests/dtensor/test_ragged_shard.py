@@ -392,3 +392,27 @@ def _check_factories():
 def test_factories(pool4):
     """zeros/ones/rand/randn/arange to a RaggedShard: the one-device values' slices."""
     pool4.run(_check_factories)
+
+
+def _check_deferred():
+    from vescale.initialize import deferred_init, materialize_dtensor
+
+    torch.manual_seed(3)
+    eager = torch.nn.Linear(5, 6, dtype=torch.float64).weight.detach()
+    torch.manual_seed(3)
+    deferred = deferred_init(torch.nn.Linear, 5, 6, dtype=torch.float64).weight
+    for mesh_shape, placements in [
+        ((4,), [RaggedShard((0,), (1, 0, 3, 2))]),
+        ((2, 2), [RaggedShard((0, 1), (3, 0)), Shard(1)]),
+    ]:
+        with count_collectives() as counts:
+            dt = materialize_dtensor(deferred, mesh_of(mesh_shape), placements)
+        assert sum(counts.values()) == 0 and tuple(dt.placements) == tuple(placements)
+        want = ragged_expected(eager, mesh_shape, coord_of(mesh_shape), placements)
+        assert torch.equal(dt.to_local(), want), placements
+
+
+def test_materialize_deferred_init(pool4):
+    """A deferred parameter materialized as a RaggedShard: the eager values' slice, no
+    communication."""
+    pool4.run(_check_deferred)

@@ -38,7 +38,8 @@ from torch.utils.hooks import RemovableHandle
 from vescale._torch_compat import TorchDispatchMode, tree_map
 from vescale.dtensor.dtensor import DTensor, from_local
 from vescale.dtensor.layout import contiguous_strides, local_indices
-from vescale.dtensor.placement_types import Placement, normalize_placements
+from vescale.dtensor.placement_types import Placement, Replicate, normalize_placements
+from vescale.dtensor.ragged import find_ragged, ragged_local_range, replace_ragged
 from vescale.dtensor.random import (
     RANDOM_OPS,
     Indices,
@@ -641,9 +642,12 @@ def materialize_dtensor(
     if coord is None:
         local = torch.empty(0, dtype=tensor.dtype)
     else:
-        local = _local_of(tensor, local_indices(shape, device_mesh, pl, coord))
+        inner = replace_ragged(pl, Replicate())  # a RaggedShard slices the shard it leaves
+        local = _local_of(tensor, local_indices(shape, device_mesh, inner, coord))
         if any(p.is_partial() and c != 0 for p, c in zip(pl, coord)):
             local.zero_()  # Partial: the value on coordinate 0, zeros elsewhere
+        if find_ragged(pl) is not None:
+            local = local.reshape(-1).narrow(0, *ragged_local_range(shape, device_mesh, pl))
     local = local.to(device_mesh.device_type if device_mesh.device_type != "meta" else "cpu")
     stride = contiguous_strides(shape)
     return from_local(local, device_mesh, pl, run_check=False, shape=shape, stride=stride)

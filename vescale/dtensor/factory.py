@@ -67,7 +67,7 @@ def _build(
             device_mesh=mesh, placements=replace_ragged(pl, Replicate()), random=random,
         )  # fmt: skip
         out = whole.redistribute(mesh, pl, async_op=False).detach()
-        return out.requires_grad_(requires_grad)  # type: ignore[no-any-return]
+        return out.requires_grad_(requires_grad)  # type: ignore[return-value]
     value_pl = tuple(Replicate() if p.is_partial() else p for p in pl)
     device = torch.device(mesh.device_type)
     if mesh.get_coordinate() is None:
