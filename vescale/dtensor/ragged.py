@@ -93,9 +93,6 @@ class RaggedShard(Placement):
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"RaggedShard is frozen: cannot set {name!r}")
 
-    def is_ragged_shard(self) -> bool:
-        return True
-
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, RaggedShard)
@@ -160,7 +157,6 @@ register_opaque_type(
         "is_shard": MemberType.USE_REAL,
         "is_partial": MemberType.USE_REAL,
         "is_replicate": MemberType.USE_REAL,
-        "is_ragged_shard": MemberType.USE_REAL,
         "__eq__": MemberType.USE_REAL,
         "dims": MemberType.USE_REAL,
         "local_units": MemberType.USE_REAL,

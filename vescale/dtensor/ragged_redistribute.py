@@ -19,6 +19,7 @@ after ``m`` shards tensor dim 0 (the two layouts then split the same inner tenso
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -37,19 +38,9 @@ from vescale.dtensor.ragged import (
 )
 from vescale.dtensor.redistribute import meta_shard, redistribute_local_tensor
 
-__all__ = ["involves_ragged", "ragged_local_shape", "redistribute_ragged"]
+__all__ = ["redistribute_ragged"]
 
 Ranges = Sequence[tuple[int, int]]
-
-
-def involves_ragged(src: DTensorSpec, dst: DTensorSpec) -> bool:
-    """Whether either layout has a RaggedShard."""
-    return find_ragged(src.placements) is not None or find_ragged(dst.placements) is not None
-
-
-def ragged_local_shape(spec: DTensorSpec) -> tuple[int, ...]:
-    """This rank's local shape under ``spec``, which has a RaggedShard: ``(numel,)``."""
-    return (ragged_local_range(spec.shape, spec.mesh, spec.placements)[1],)
 
 
 def _spec(spec: DTensorSpec, placements: Sequence[Placement]) -> DTensorSpec:
@@ -69,9 +60,7 @@ def _ranges(p: Placement, inner: Sequence[int], n: int) -> Ranges | None:
     if isinstance(p, RaggedShard):
         return p.local_ranges(inner)
     if isinstance(p, Shard) and p.dim == 0 and len(inner) > 0:
-        row = 1
-        for s in inner[1:]:
-            row *= s
+        row = math.prod(inner[1:])
         sizes = chunk_sizes(inner[0], n)
         starts = [sum(sizes[:i]) for i in range(n)]
         return tuple((s * row, c * row) for s, c in zip(starts, sizes))
@@ -157,7 +146,7 @@ def redistribute_ragged(
     with a RaggedShard (see the module doc for the collectives)."""
     if src.mesh.device_type == "meta":
         if find_ragged(dst.placements) is not None:
-            return local.new_empty(ragged_local_shape(dst))
+            return local.new_empty(ragged_local_range(dst.shape, dst.mesh, dst.placements)[1])
         return meta_shard(local, src.shape, dst)
     changed = [m for m, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b]
     if len(changed) == 1:
