@@ -86,7 +86,7 @@ class FlatGroup:
         self.shard = torch.zeros(self.layout.share, dtype=master)
         self.full = torch.empty(0, dtype=self.compute_dtype)
         self._full_numel = self.world * self.layout.share
-        self._work: Any = None
+        self._work: tuple[Any, torch.Tensor] | None = None
         self._pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None
         self.sharded: list[nn.Parameter] = []
         with torch.no_grad():
@@ -130,10 +130,6 @@ class FlatGroup:
 
     # ---- all-gather ----------------------------------------------------------------------
 
-    @property
-    def gathered(self) -> bool:
-        return self.full.untyped_storage().nbytes() > 0 and self._work is None
-
     def gather(self) -> None:
         """Issue the all-gather of ``shard`` into ``full`` (async); no-op if issued or done."""
         if self._work is not None or self.full.untyped_storage().nbytes() > 0:
@@ -148,21 +144,23 @@ class FlatGroup:
             else self.shard.to(self.compute_dtype)
         )
         # ``.data``: a fresh version counter, so refilling ``full`` before backward does not
-        # invalidate the views autograd saved in forward.
-        self._work = dist.all_gather_single(self.full.data, src, group=self.pg, async_op=True)
+        # invalidate the views autograd saved in forward. ``src`` lives until the wait.
+        self._work = (
+            dist.all_gather_single(self.full.data, src, group=self.pg, async_op=True),
+            src,
+        )
 
     def wait(self) -> None:
         """Gather (if not issued) and wait: ``full`` holds every rank's share."""
         self.gather()
         if self._work is not None:
-            self._work.wait()
+            self._work[0].wait()
             self._work = None
 
     def free(self) -> None:
         """Drop the gathered buffer's storage (the parameters are sharded again)."""
         if self._work is not None:
-            self._work.wait()
-            self._work = None
+            self.wait()
         self.full.untyped_storage().resize_(0)
 
     def views(self) -> list[torch.Tensor]:
