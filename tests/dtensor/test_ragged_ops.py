@@ -1,5 +1,5 @@
 """Ops on ``RaggedShard`` DTensors (issue 29 item 2): element-wise ops, the optimizers'
-foreach ops, reductions and ``clip_grad_norm_``.
+foreach ops, reductions, ``clip_grad_norm_`` and gradients through them.
 
 Every result equals the same op on the one-device float64 tensor; layouts have uneven units
 and ranks holding nothing. Element-wise ops keep the input's placements and communicate
@@ -323,12 +323,43 @@ def clip_grad_norm(norm_type: float, foreach: bool | None) -> None:
         torch.testing.assert_close(q.grad.full_tensor(), r.grad, rtol=1e-12, atol=0)
 
 
-@pytest.mark.parametrize("fn", [full_reductions, trailing_reductions], ids=lambda f: f.__name__)
+LOSSES = {
+    "sum": lambda x, y: (x * y - x.exp()).sum(),
+    "mean": lambda x, y: (x * x).mean(),
+    "norm": lambda x, y: torch.linalg.vector_norm(x.exp() - y),
+    "masked": lambda x, y: torch.where(x > 0, x, y * 2.0).sum(),
+}
+
+
+def gradients() -> None:
+    """Backward through element-wise ops and reductions: RaggedShard gradients equal to one
+    device (a norm's backward reduces the norm first)."""
+    mesh = _mesh()
+    torch.manual_seed(8)
+    for shape, p in _layouts():
+        a, b = torch.randn(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float64)
+        y = vescale.distribute_tensor(b, mesh, [p])
+        for name, f in LOSSES.items():
+            x = torch.nn.Parameter(vescale.distribute_tensor(a, mesh, [p]))
+            ref = a.clone().requires_grad_()
+            f(x, y).backward()
+            f(ref, b).backward()
+            assert x.grad.placements == (p,), (name, x.grad.placements)
+            torch.testing.assert_close(
+                x.grad.to_local(), _expected_local(ref.grad, p), rtol=1e-12, atol=1e-12
+            )
+
+
+@pytest.mark.parametrize(
+    "fn", [full_reductions, trailing_reductions, gradients], ids=lambda f: f.__name__
+)
 def test_reductions_pool2(pool2, fn):
     pool2.run(fn)
 
 
-@pytest.mark.parametrize("fn", [full_reductions, trailing_reductions], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "fn", [full_reductions, trailing_reductions, gradients], ids=lambda f: f.__name__
+)
 def test_reductions_pool4(pool4, fn):
     pool4.run(fn)
 

@@ -7,8 +7,9 @@ A RaggedShard's local tensor is the rank's 1-D slice of the flattened storage, s
   ``*_like`` factories, ``copy_``, ``fill_``, ``zero_``, ``_to_copy``, the fused Adam(W)
   kernels) run on the slices
   as they are, for inputs laid out alike: per position (per list entry of a foreach op) every
-  tensor has the same placements and shape, or is a 0-d ``Replicate`` scalar (broadcast),
-  or a ``Replicate`` tensor of the same shape (sliced locally, no communication). The output
+  tensor has the same placements and shape, or is a 0-d scalar (broadcast; a pending one,
+  e.g. a norm in its backward, is reduced first: one all-reduce), or a ``Replicate`` tensor
+  of the same shape (sliced locally, no communication). The output
   has the input's placements; in-place ops write the slices. A position with no
   RaggedShard (a foreach list mixing layouts) follows the same rule with its own layout.
 * ``sum``/``mean``/``linalg_vector_norm``/``_foreach_norm`` over every dim reduce each slice
@@ -46,7 +47,7 @@ from vescale.dtensor.ops._registry import (
     on_hooks_changed,
     pre_dispatch_patch,
 )
-from vescale.dtensor.placement_types import ExtremumNormPartial, Partial, Placement
+from vescale.dtensor.placement_types import ExtremumNormPartial, Partial, Placement, Replicate
 from vescale.dtensor.propagation import UnsupportedOpError
 from vescale.dtensor.ragged import RaggedShard, find_ragged, ragged_rule
 
@@ -86,7 +87,14 @@ def _elementwise_ops() -> list[torch._ops.OpOverload]:
             )
         )
     ]
-    return list(dict.fromkeys([*found, *_EXTRA]))
+    return list(dict.fromkeys([*found, *filter(None, map(_in_place, found)), *_EXTRA]))
+
+
+def _in_place(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The in-place variant of a pointwise op (``masked_fill_`` of ``masked_fill``)."""
+    name, overload = op.__name__.split(".")
+    packet = getattr(aten, f"{name}_", None) if not name.endswith("_") else None
+    return getattr(packet, overload, None) if packet is not None else None
 
 
 ELEMENTWISE_OPS = _elementwise_ops()
@@ -146,6 +154,8 @@ def _fit(
         return spec
     if _is_scalar(spec):
         return spec
+    if spec.ndim == 0:  # a pending 0-d value (a norm, a sum): reduced first
+        return DTensorSpec(spec.mesh, (Replicate(),) * spec.mesh.ndim, tensor_meta=spec.tensor_meta)
     if spec.shape == layout.shape and all(p.is_replicate() for p in spec.placements):
         return DTensorSpec(spec.mesh, layout.placements, tensor_meta=spec.tensor_meta)
     raise _unsupported(
