@@ -167,20 +167,6 @@ def foreach_ops() -> None:
         _check(y[i], b[i], (p,), "foreach_lerp_")
 
 
-@pytest.mark.parametrize(
-    "fn", [elementwise, replicated_operand, foreach_ops], ids=lambda f: f.__name__
-)
-def test_elementwise_pool2(pool2, fn):
-    pool2.run(fn)
-
-
-@pytest.mark.parametrize(
-    "fn", [elementwise, replicated_operand, foreach_ops], ids=lambda f: f.__name__
-)
-def test_elementwise_pool4(pool4, fn):
-    pool4.run(fn)
-
-
 # ---- optimizers --------------------------------------------------------------------------
 
 OPTIMIZERS = {
@@ -350,17 +336,23 @@ def gradients() -> None:
             )
 
 
-@pytest.mark.parametrize(
-    "fn", [full_reductions, trailing_reductions, gradients], ids=lambda f: f.__name__
-)
-def test_reductions_pool2(pool2, fn):
+SAMPLES = [
+    elementwise,
+    replicated_operand,
+    foreach_ops,
+    full_reductions,
+    trailing_reductions,
+    gradients,
+]
+
+
+@pytest.mark.parametrize("fn", SAMPLES, ids=lambda f: f.__name__)
+def test_ops_pool2(pool2, fn):
     pool2.run(fn)
 
 
-@pytest.mark.parametrize(
-    "fn", [full_reductions, trailing_reductions, gradients], ids=lambda f: f.__name__
-)
-def test_reductions_pool4(pool4, fn):
+@pytest.mark.parametrize("fn", SAMPLES, ids=lambda f: f.__name__)
+def test_ops_pool4(pool4, fn):
     pool4.run(fn)
 
 
