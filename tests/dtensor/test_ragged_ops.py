@@ -286,15 +286,17 @@ def trailing_reductions() -> None:
 
 
 def clip_grad_norm(norm_type: float, foreach: bool | None) -> None:
+    """RaggedShard gradients beside an uneven ``Shard(0)`` one (a foreach list mixing both):
+    one all-reduce in all, the norm and the clipped gradients equal to one device."""
     mesh = _mesh()
     torch.manual_seed(6)
-    layouts = _layouts()
+    layouts = [(shape, (p,)) for shape, p in _layouts()] + [((7, 3), (Shard(0),))]
     values = [torch.randn(shape, dtype=torch.float64) for shape, _ in layouts]
     grads = [torch.randn_like(v) * (i + 1) for i, v in enumerate(values)]
     ref = [torch.nn.Parameter(v.clone()) for v in values]
     params = [
-        torch.nn.Parameter(vescale.distribute_tensor(v, mesh, [p]))
-        for v, (_, p) in zip(values, layouts)
+        torch.nn.Parameter(vescale.distribute_tensor(v, mesh, placements))
+        for v, (_, placements) in zip(values, layouts)
     ]
     for r, q, g in zip(ref, params, grads):
         r.grad = g.clone()
@@ -304,8 +306,8 @@ def clip_grad_norm(norm_type: float, foreach: bool | None) -> None:
         total = torch.nn.utils.clip_grad_norm_(params, 0.5, norm_type=norm_type, foreach=foreach)
     assert dict(counts) == {"all_reduce": 1}, dict(counts)
     torch.testing.assert_close(total.full_tensor(), expected, rtol=1e-12, atol=0)
-    for r, q, (_, p) in zip(ref, params, layouts):
-        assert q.grad.placements == (p,)
+    for r, q, (_, placements) in zip(ref, params, layouts):
+        assert q.grad.placements == placements
         torch.testing.assert_close(q.grad.full_tensor(), r.grad, rtol=1e-12, atol=0)
 
 

@@ -73,3 +73,14 @@ def test_unsupported_op_same_error_everywhere(pool2, name):
     assert CASES[name][1] in error.message, error.message
     assert str(PLACEMENT) in error.message or repr(PLACEMENT) in error.message, error.message
     assert "DeviceMesh((2,)" in error.message and "redistribute" in error.message, error.message
+
+
+def integer_mean() -> None:
+    _x().to(torch.int64).mean()
+
+
+def test_reduction_argument_errors_are_torchs(pool2):
+    """A reduction's argument errors are torch's own, on every rank (checked on the global
+    shape before anything runs): the mean of an integer tensor."""
+    error = error_everywhere(pool2, integer_mean)
+    assert error.kind == "RuntimeError" and "mean()" in error.message, error

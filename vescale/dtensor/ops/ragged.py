@@ -38,7 +38,7 @@ from torch.distributed.tensor._ops._math_ops import _NormPartial
 
 from vescale._torch_compat import DTensorSpec, OpSchema, OutputSharding, TensorMeta
 from vescale.dtensor.dtensor import new_dtensor
-from vescale.dtensor.op_args import bind
+from vescale.dtensor.op_args import bind, unbind
 from vescale.dtensor.ops import norm as _norm
 from vescale.dtensor.ops._registry import (
     PROPAGATOR,
@@ -260,7 +260,7 @@ def _ragged_input(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> boo
     return any(_ragged_tensor(x) for x in items)
 
 
-def _pending(op: Any, ord_: float | None) -> Placement:
+def _pending(ord_: float | None) -> Placement:
     """The cross-rank reduction a local result leaves pending."""
     if ord_ is None:
         return Partial("sum")
@@ -292,26 +292,34 @@ def _check_order(op: Any, x: _UpstreamDTensor, order: float) -> None:
         )
 
 
+def _meta_result(op: Any, x: _UpstreamDTensor, a: dict[str, Any]) -> torch.Tensor:
+    """The op on a meta tensor of the global shape: torch's own argument errors (the same on
+    every rank), and the output's shape and dtype."""
+    meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
+    if op is aten._foreach_norm.Scalar:
+        return torch.linalg.vector_norm(meta, a["ord"], dtype=a["dtype"])
+    args, kwargs = unbind(op, dict(a, self=meta))
+    return op(*args, **kwargs)  # type: ignore[no-any-return]
+
+
 def _reduce_one(op: Any, x: _UpstreamDTensor, a: dict[str, Any]) -> _UpstreamDTensor:
-    spec = x._spec
-    ndim = x.ndim
+    expected = _meta_result(op, x, a)
+    spec, ndim = x._spec, x.ndim
+    if any(p.is_partial() for p in spec.placements):
+        raise _reduction_error(op, x, "a Partial input")
     dims = a.get("dim")
     dims = [dims] if isinstance(dims, int) else list(dims or [])
-    reduced = sorted({d % max(ndim, 1) for d in dims}) if dims else list(range(ndim))
-    keepdim = bool(a.get("keepdim", False))
-    is_norm = op in (aten.linalg_vector_norm.default, aten._foreach_norm.Scalar)
-    order = float(a["ord"]) if is_norm else None
+    reduced = sorted({d % ndim for d in dims}) if dims else list(range(ndim))
+    order = float(a["ord"]) if "ord" in a else None
     if order is not None:
         _check_order(op, x, order)
-    local = x._local_tensor
-    if reduced == list(range(ndim)):
-        value = _local_full(op, local, a, x.numel())
-        shape = [1] * ndim if keepdim else []
-        placements = tuple(p if p.is_replicate() else _pending(op, order) for p in spec.placements)
-        if any(p.is_partial() for p in spec.placements):
-            raise _reduction_error(op, x, "a Partial input")
-        return _wrap(value.reshape(shape), spec, placements, shape)
-    return _reduce_trailing(op, x, a, reduced, keepdim)
+    if reduced == list(range(ndim)):  # a pending reduction of this rank's part
+        local = _local_full(op, x._local_tensor, a, x.numel()).reshape(expected.shape)
+        placements = tuple(p if p.is_replicate() else _pending(order) for p in spec.placements)
+    else:  # each rank's rows reduced: the result keeps the RaggedShard
+        local = _local_trailing(op, x, a, reduced).reshape(-1)
+        placements = spec.placements
+    return _wrap(local.to(expected.dtype), spec, placements, expected.shape)
 
 
 def _reduction_error(op: Any, x: _UpstreamDTensor, what: str) -> UnsupportedOpError:
@@ -322,29 +330,22 @@ def _reduction_error(op: Any, x: _UpstreamDTensor, what: str) -> UnsupportedOpEr
     )
 
 
-def _reduce_trailing(
-    op: Any, x: _UpstreamDTensor, a: dict[str, Any], reduced: list[int], keepdim: bool
-) -> _UpstreamDTensor:
+def _local_trailing(
+    op: Any, x: _UpstreamDTensor, a: dict[str, Any], reduced: list[int]
+) -> torch.Tensor:
     """Reduce dims after the flattened ones: each rank reduces its own rows."""
     found = find_ragged(x._spec.placements)
     assert found is not None
-    _, p = found
+    dims = len(found[1].dims)
     others = [q for q in x._spec.placements if not isinstance(q, RaggedShard)]
-    if any(not q.is_replicate() for q in others) or min(reduced) < len(p.dims):
+    if any(not q.is_replicate() for q in others) or min(reduced) < dims:
         raise _reduction_error(op, x, f"reducing dims {reduced}")
-    rows = x._local_tensor.reshape(-1, *x.shape[len(p.dims) :])
-    local_dims = [d - len(p.dims) + 1 for d in reduced]
-    b = dict(a, dim=local_dims, keepdim=keepdim)
+    rows = x._local_tensor.reshape(-1, *x.shape[dims:])
+    local_dims = [d - dims + 1 for d in reduced]
     if op in (aten.sum.dim_IntList, aten.mean.dim):
-        value = torch.sum(rows, local_dims, keepdim, dtype=b.get("dtype"))
-        if op is aten.mean.dim:
-            value = value / math.prod(x.shape[d] for d in reduced)
-    else:
-        value = torch.linalg.vector_norm(
-            rows, float(a["ord"]), local_dims, keepdim, dtype=b.get("dtype")
-        )
-    shape = [1 if d in reduced else s for d, s in enumerate(x.shape) if keepdim or d not in reduced]
-    return _wrap(value.reshape(-1), x._spec, x._spec.placements, shape)
+        value = torch.sum(rows, local_dims, dtype=a["dtype"])
+        return value / math.prod(x.shape[d] for d in reduced) if op is aten.mean.dim else value
+    return torch.linalg.vector_norm(rows, float(a["ord"]), local_dims, dtype=a["dtype"])
 
 
 def _wrap(
