@@ -60,12 +60,13 @@ from vescale.dtensor.placement_types import (
     spec_placements,
     user_placements,
 )
-from vescale.dtensor.ragged import find_ragged
+from vescale.dtensor.ragged import find_ragged, replace_ragged
 from vescale.dtensor.ragged_checkpoint import (
     ragged_chunks,
     ragged_shard_view,
     ragged_write_items,
 )
+from vescale.dtensor.ragged_dtensor import ragged_from_local_layout
 from vescale.dtensor.redistribute import redistribute_local_tensor, replicate_to_partial
 
 __all__ = [
@@ -322,10 +323,15 @@ def distribute_tensor(
             f"{type(tensor.grad_fn).__name__}, for {pl} on {mesh}): gradients would not reach "
             f"its source; distribute the leaf, or pass tensor.detach()"
         )
-    if find_ragged(pl) is not None:
-        from vescale.dtensor.ragged_dtensor import distribute_ragged  # builds on this module
-
-        return distribute_ragged(tensor, mesh, pl, src_data_rank)  # type: ignore[no-any-return]
+    if find_ragged(pl) is not None:  # laid out with it as Replicate, then the local slice
+        whole = distribute_tensor(
+            tensor.detach(), mesh, replace_ragged(pl, Replicate()), src_data_rank=src_data_rank
+        )
+        if mesh.get_coordinate() is None:  # off the mesh: the empty local tensor
+            spec = make_spec(mesh, pl, tensor.shape, tensor.stride(), tensor.dtype)
+            return new_dtensor(whole._local_tensor, spec, requires_grad=tensor.requires_grad)
+        out = redistribute_dtensor(whole, mesh, pl, async_op=False).detach()
+        return out.requires_grad_(tensor.requires_grad)  # type: ignore[return-value]
     # Partial dims: first replicate, then partition locally
     upstream_pl = spec_placements(_grad_placements(pl))
     src = tensor.detach()
@@ -372,18 +378,18 @@ def from_local(
     """
     mesh = _mesh(device_mesh, "from_local")
     if isinstance(placements, Sequence) and find_ragged(placements) is not None:
-        from vescale.dtensor.ragged_dtensor import from_local_ragged  # builds on this module
-
-        return from_local_ragged(  # type: ignore[no-any-return]
-            local_tensor,
-            mesh,
-            placements,
-            run_check=run_check and not env_flag("VESCALE_DISABLE_RUN_CHECK", False),
-            shape=shape,
-            stride=stride,
-            grad_placements=grad_placements,
-            async_input=async_input,
-        )
+        tracing = are_we_tracing()
+        run_check = run_check and not env_flag("VESCALE_DISABLE_RUN_CHECK", False)
+        run_check = run_check and not tracing and mesh.get_coordinate() is not None
+        pl, gp, gshape, gstride = ragged_from_local_layout(
+            local_tensor, mesh, placements, run_check=run_check, tracing=tracing, shape=shape,
+            stride=stride, grad_placements=grad_placements,
+            check_arguments=_from_local_arguments, device=_comm_device(mesh),
+        )  # fmt: skip
+        if not async_input:
+            local_tensor = wait_local(local_tensor)
+        spec = make_spec(mesh, pl, gshape, gstride, local_tensor.dtype)
+        return _FromLocal.apply(local_tensor, spec, gp, run_check)  # type: ignore[no-any-return]
     tracing = are_we_tracing()  # no data-dependent communication inside a compiled graph
     outside = not tracing and mesh.get_coordinate() is None
     run_check = run_check and not env_flag("VESCALE_DISABLE_RUN_CHECK", False)

@@ -58,7 +58,9 @@ def propagate_op_sharding(op_schema: OpSchema) -> OutputSharding:
     )
     try:
         with vescale_rules(vescale):
-            ragged = ragged_propagation(op_schema)  # a RaggedShard input: its rule or an error
+            ragged = ragged_propagation(op_schema)  # a RaggedShard input: its rule, or why not
+            if isinstance(ragged, str):
+                raise UnsupportedOpError(ragged)
             out = ragged(op_schema) if ragged is not None else propagate(op_schema)
     except UnsupportedOpError:
         raise

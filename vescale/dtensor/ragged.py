@@ -267,7 +267,7 @@ _RULES: dict[Any, RuleFn] = {}
 def ragged_rule(ops: Any) -> Callable[[RuleFn], RuleFn]:
     """``@ragged_rule(op or [ops])``: ``fn(op_schema) -> OutputSharding`` decides the sharding
     of ``op`` when an input has a RaggedShard (its local tensors are 1-D slices); ops without
-    a rule raise ``UnsupportedOpError`` on such inputs."""
+    a rule raise ``UnsupportedOpError`` on such inputs (``propagation.py``)."""
 
     def register(fn: RuleFn) -> RuleFn:
         for op in ops if isinstance(ops, list | tuple) else [ops]:
@@ -283,24 +283,21 @@ def _ragged_specs(schema: OpSchema) -> list[DTensorSpec]:
     return [s for s in flat if isinstance(s, DTensorSpec) and find_ragged(s.placements)]
 
 
-def ragged_propagation(schema: OpSchema) -> RuleFn | None:
-    """The rule for ``schema``'s op if an input has a RaggedShard (``None`` otherwise);
-    ``UnsupportedOpError`` naming the op, its RaggedShard inputs and the mesh if the op
-    has none."""
+def ragged_propagation(schema: OpSchema) -> RuleFn | str | None:
+    """For ``schema`` with a RaggedShard input: its op's rule, or the error text (naming the
+    op, its RaggedShard inputs and the mesh) if it has none; ``None`` without such inputs."""
     specs = _ragged_specs(schema)
     if not specs:
         return None
     rule = _RULES.get(schema.op)
-    if rule is None:
-        from vescale.dtensor.propagation import UnsupportedOpError
-
-        inputs = ", ".join(f"{tuple(s.placements)} {list(s.shape)}" for s in specs)
-        raise UnsupportedOpError(
-            f"{schema.op}: not supported on RaggedShard inputs ({inputs} on {specs[0].mesh}); "
-            f"redistribute them to Shard/Replicate first (x.redistribute(mesh, placements)) "
-            f"or register a rule (vescale.dtensor.ragged.ragged_rule)"
-        )
-    return rule
+    if rule is not None:
+        return rule
+    inputs = ", ".join(f"{tuple(s.placements)} {list(s.shape)}" for s in specs)
+    return (
+        f"{schema.op}: not supported on RaggedShard inputs ({inputs} on {specs[0].mesh}); "
+        f"redistribute them to Shard/Replicate first (x.redistribute(mesh, placements)) "
+        f"or register a rule (vescale.dtensor.ragged.ragged_rule)"
+    )
 
 
 @ragged_rule([torch.ops.aten.detach.default, torch.ops.aten.alias.default])

@@ -1,7 +1,8 @@
-"""``distribute_tensor`` and ``from_local`` for placements with a ``RaggedShard``
-(:mod:`vescale.dtensor.ragged`); ``to_local``, ``full_tensor`` and ``redistribute`` need
-nothing of their own (the local tensor is the rank's 1-D slice; redistribution goes through
-:mod:`vescale.dtensor.ragged_redistribute`).
+"""``from_local``'s layout for placements with a ``RaggedShard`` (:mod:`vescale.dtensor.ragged`):
+its checks and the global shape (``dtensor.from_local`` builds the DTensor from them).
+``distribute_tensor`` lays the tensor out with the RaggedShard as Replicate and redistributes
+(the local slice); ``to_local``, ``full_tensor`` and ``redistribute`` need nothing of their
+own (redistribution: :mod:`vescale.dtensor.ragged_redistribute`).
 
 ``from_local``'s global shape: ``shape=``/``stride=`` when given; otherwise only a 1-D
 tensor with no other sharded mesh dim can be inferred (the sum of the slices along the
@@ -12,44 +13,21 @@ where a rank's slice is not the one its units give.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from vescale._torch_compat import are_we_tracing
-from vescale.dtensor.dtensor import (
-    _comm_device,
-    _from_local_arguments,
-    _FromLocal,
-    distribute_tensor,
-    new_dtensor,
-)
-from vescale.dtensor.inflight import wait_local
 from vescale.dtensor.layout import contiguous_strides
 from vescale.dtensor.local_metadata import LocalRecord, _local_errors, gather_records
-from vescale.dtensor.placement_types import Placement, Replicate, Shard, make_spec
-from vescale.dtensor.ragged import check_ragged, find_ragged, ragged_local_range, replace_ragged
-from vescale.dtensor.ragged_redistribute import _slice
+from vescale.dtensor.placement_types import Placement, Shard
+from vescale.dtensor.ragged import check_ragged, find_ragged, ragged_local_range
 
-__all__ = ["distribute_ragged", "from_local_ragged"]
+__all__ = ["ragged_from_local_layout"]
 
-
-def distribute_ragged(
-    tensor: torch.Tensor, mesh: Any, placements: tuple[Placement, ...], src_data_rank: int | None
-) -> Any:
-    """``distribute_tensor`` to ``placements`` (with a RaggedShard): the tensor laid out with
-    the RaggedShard as Replicate (coordinate 0's data), then this rank's slice."""
-    check_ragged(tensor.shape, mesh, placements, what="distribute_tensor")
-    rep = distribute_tensor(
-        tensor.detach(), mesh, replace_ragged(placements, Replicate()), src_data_rank=src_data_rank
-    )
-    spec = make_spec(mesh, placements, tensor.shape, contiguous_strides(tensor.shape), tensor.dtype)
-    local = rep._local_tensor
-    if mesh.get_coordinate() is not None:
-        local = _slice(local, spec)
-    return new_dtensor(local.detach(), spec, requires_grad=tensor.requires_grad)
+Layout = tuple[tuple[Placement, ...], "tuple[Placement, ...] | None"]
+CheckArguments = Callable[..., Layout]
 
 
 def _expected_numel(gshape: Sequence[int], mesh: Any, pl: Sequence[Placement], coord: Any) -> int:
@@ -69,23 +47,27 @@ def _arguments(
     stride: Sequence[int] | None,
     grad_placements: Sequence[Placement] | None,
     tracing: bool,
-) -> tuple[tuple[Placement, ...], tuple[Placement, ...] | None]:
-    """``from_local``'s own argument checks, the global shape's where given."""
+    check_arguments: CheckArguments,
+) -> Layout:
+    """``from_local``'s own argument checks (``check_arguments``, for the global ndim), the
+    global shape's where given."""
     if shape is None and (tracing or not _inferable(placements)):
         raise _no_shape(placements, mesh, local)
     ndim = 1 if shape is None else len(shape)
-    pl, gp = _from_local_arguments(local, mesh, placements, shape, stride, grad_placements, ndim)
+    pl, gp = check_arguments(local, mesh, placements, shape, stride, grad_placements, ndim)
     if shape is not None:
         check_ragged(shape, mesh, pl, what="from_local")
     return pl, gp
 
 
-def _infer_shape(local: torch.Tensor, mesh: Any, pl: Sequence[Placement]) -> tuple[int, ...]:
+def _infer_shape(
+    local: torch.Tensor, mesh: Any, pl: Sequence[Placement], device: torch.device
+) -> tuple[int, ...]:
     """The global 1-D shape: the sum of the slices along the RaggedShard's mesh dim."""
     found = find_ragged(pl)
     assert found is not None
-    mine = torch.tensor([local.numel()], dtype=torch.int64, device=_comm_device(mesh))
-    sizes = wait_local(funcol.all_gather_single(mine, 0, (mesh, found[0]))).tolist()
+    mine = torch.tensor([local.numel()], dtype=torch.int64, device=device)
+    sizes = funcol.all_gather_single(mine, 0, (mesh, found[0])).tolist()
     return (int(sum(sizes)),)
 
 
@@ -121,32 +103,37 @@ def _check_all(
         )
 
 
-def from_local_ragged(
+def ragged_from_local_layout(
     local_tensor: Any,
     mesh: Any,
     placements: Sequence[Placement],
     *,
     run_check: bool,
+    tracing: bool,
     shape: Sequence[int] | None,
     stride: Sequence[int] | None,
     grad_placements: Sequence[Placement] | None,
-    async_input: bool,
-) -> Any:
-    """``from_local`` for ``placements`` with a RaggedShard (see the module doc)."""
-    tracing = are_we_tracing()
+    check_arguments: CheckArguments,
+    device: torch.device,
+) -> tuple[tuple[Placement, ...], tuple[Placement, ...] | None, tuple[int, ...], tuple[int, ...]]:
+    """``from_local``'s (placements, grad placements, global shape, global stride) for
+    ``placements`` with a RaggedShard, every check passed (see the module doc);
+    ``check_arguments``: ``from_local``'s own argument checks, ``device``: where its small
+    collectives run."""
     if run_check and not tracing and mesh.get_coordinate() is not None:
         error: Exception | None = None
         pl: tuple[Placement, ...] | None = None
         gp = None
         try:
             pl, gp = _arguments(
-                local_tensor, mesh, placements, shape, stride, grad_placements, tracing
-            )
+                local_tensor, mesh, placements, shape, stride, grad_placements, tracing,
+                check_arguments,
+            )  # fmt: skip
         except (TypeError, ValueError) as e:  # raised on every rank after the exchange
             error = e
         given = (tuple(shape), tuple(stride)) if shape is not None and stride is not None else None
         mine = LocalRecord.of(local_tensor, pl if pl is not None else placements, given, error)
-        records = gather_records(mine, mesh, _comm_device(mesh))
+        records = gather_records(mine, mesh, device)
         _local_errors(records, mesh, error)
         assert pl is not None
         if len({(r.placements, r.given) for r in records}) > 1:
@@ -165,8 +152,11 @@ def from_local_ragged(
         check_ragged(gshape, mesh, pl, what="from_local")
         _check_all(records, mesh, pl, gshape)
     else:
-        pl, gp = _arguments(local_tensor, mesh, placements, shape, stride, grad_placements, tracing)
-        gshape = tuple(shape) if shape is not None else _infer_shape(local_tensor, mesh, pl)
+        pl, gp = _arguments(
+            local_tensor, mesh, placements, shape, stride, grad_placements, tracing,
+            check_arguments,
+        )  # fmt: skip
+        gshape = tuple(shape) if shape is not None else _infer_shape(local_tensor, mesh, pl, device)
         check_ragged(gshape, mesh, pl, what="from_local")
         if not tracing and mesh.get_coordinate() is not None:
             want = (_expected_numel(gshape, mesh, pl, None),)
@@ -175,11 +165,8 @@ def from_local_ragged(
                     f"from_local: local shape {tuple(local_tensor.shape)} is not the RaggedShard "
                     f"slice {want} of global shape {gshape} with placements {pl} on {mesh}"
                 )
-    if not async_input:
-        local_tensor = wait_local(local_tensor)
     gstride = tuple(stride) if stride is not None else contiguous_strides(gshape)
-    spec = make_spec(mesh, pl, gshape, gstride, local_tensor.dtype)
-    return _FromLocal.apply(local_tensor, spec, gp, run_check and not tracing)
+    return pl, gp, gshape, gstride
 
 
 def _copies(mesh: Any, mesh_dim: int) -> int:

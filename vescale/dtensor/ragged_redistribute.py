@@ -12,7 +12,8 @@ Only the RaggedShard's mesh dim ``m`` changing, the others equal (1-D meshes alw
 * Replicate -> RaggedShard: the local slice, no communication.
 
 Everything else goes RaggedShard -> Replicate (the all-gather), then vescale's
-redistribution between the placements with the RaggedShards as Replicate, then the local
+redistribution (passed in by :mod:`vescale.dtensor.redistribute`, which calls this module)
+between the placements with the RaggedShards as Replicate, then the local
 slice of the target's RaggedShard. ``Shard(0)`` takes the all-to-all only when no mesh dim
 after ``m`` shards tensor dim 0 (the two layouts then split the same inner tensor).
 """
@@ -20,7 +21,7 @@ after ``m`` shards tensor dim 0 (the two layouts then split the same inner tenso
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -36,11 +37,11 @@ from vescale.dtensor.ragged import (
     ragged_local_range,
     replace_ragged,
 )
-from vescale.dtensor.redistribute import meta_shard, redistribute_local_tensor
 
 __all__ = ["redistribute_ragged"]
 
 Ranges = Sequence[tuple[int, int]]
+Plain = Callable[..., torch.Tensor]
 
 
 def _spec(spec: DTensorSpec, placements: Sequence[Placement]) -> DTensorSpec:
@@ -140,14 +141,16 @@ def _slice(local: torch.Tensor, dst: DTensorSpec) -> torch.Tensor:
 
 
 def redistribute_ragged(
-    local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, *, async_op: bool = False
+    local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, *, async_op: bool, plain: Plain
 ) -> torch.Tensor:
     """The local tensor of ``local`` (laid out as ``src``) laid out as ``dst``, one of them
-    with a RaggedShard (see the module doc for the collectives)."""
+    with a RaggedShard (see the module doc for the collectives); ``plain(local, src, dst,
+    async_op=...)`` redistributes between layouts without one."""
     if src.mesh.device_type == "meta":
         if find_ragged(dst.placements) is not None:
             return local.new_empty(ragged_local_range(dst.shape, dst.mesh, dst.placements)[1])
-        return meta_shard(local, src.shape, dst)
+        whole = local.new_empty(inner_shape(src.shape, src.mesh, src.placements))
+        return plain(whole, _spec(src, replace_ragged(src.placements, Replicate())), dst)
     changed = [m for m, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b]
     if len(changed) == 1:
         out = _exchange(local, src, dst, changed[0])
@@ -160,7 +163,7 @@ def redistribute_ragged(
         local = _gather(local, src, found[0])
         src = _spec(src, replace_ragged(src.placements, Replicate()))
     mid = _spec(src, replace_ragged(dst.placements, Replicate()))
-    local = redistribute_local_tensor(local, src, mid, async_op=async_op)
+    local = plain(local, src, mid, async_op=async_op)
     if find_ragged(dst.placements) is not None:
         local = _slice(local, dst)
     return local if async_op else wait_local(local)

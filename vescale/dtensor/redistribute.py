@@ -38,6 +38,7 @@ from vescale.dtensor.flat_groups import flattened_mesh
 from vescale.dtensor.layout import contiguous_strides
 from vescale.dtensor.placement_types import Partial, Placement, Replicate
 from vescale.dtensor.ragged import find_ragged
+from vescale.dtensor.ragged_redistribute import redistribute_ragged
 
 __all__ = [
     "meta_shard",
@@ -86,9 +87,9 @@ def redistribute_local_tensor(
     if src.placements == dst.placements:
         return local
     if find_ragged(src.placements) is not None or find_ragged(dst.placements) is not None:
-        from vescale.dtensor.ragged_redistribute import redistribute_ragged  # builds on this
-
-        return redistribute_ragged(local, src, dst, async_op=async_op)
+        return redistribute_ragged(
+            local, src, dst, async_op=async_op, plain=redistribute_local_tensor
+        )
     if src.mesh.device_type == "meta":
         return meta_shard(local, src.shape, dst)
     if _has_strided(src, dst) and src.mesh.ndim > 1:
