@@ -5,7 +5,7 @@ Importing ``vescale`` registers the ``vescale`` torch.compile backend and instal
 DTensors or listed in ``docs/torch-changes.md``).
 """
 
-from vescale import _patches
+from vescale import _patches, fsdp
 from vescale import backend as _backend
 from vescale.dtensor import (
     DeviceMesh,
@@ -45,6 +45,7 @@ __all__ = [
     "deferred_init",
     "distribute_tensor",
     "from_local",
+    "fsdp",
     "init_device_mesh",
     "is_deferred",
     "materialize_dtensor",
