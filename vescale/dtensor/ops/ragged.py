@@ -3,15 +3,15 @@ optimizers' foreach ops, and reductions to a value (sum, mean, vector norms).
 
 A RaggedShard's local tensor is the rank's 1-D slice of the flattened storage, so
 
-* element-wise ops (upstream's ``pointwise``-tagged ops, ``_foreach_*`` element-wise ops,
-  ``*_like`` factories, ``copy_``, ``fill_``, ``zero_``, ``_to_copy``, the fused Adam(W)
-  kernels) run on the slices
-  as they are, for inputs laid out alike: per position (per list entry of a foreach op) every
-  tensor has the same placements and shape, or is a 0-d scalar (broadcast; a pending one,
-  e.g. a norm in its backward, is reduced first: one all-reduce), or a ``Replicate`` tensor
-  of the same shape (sliced locally, no communication). The output
-  has the input's placements; in-place ops write the slices. A position with no
-  RaggedShard (a foreach list mixing layouts) follows the same rule with its own layout.
+* element-wise ops (upstream's ``pointwise``-tagged ops and their in-place variants,
+  ``_foreach_*`` element-wise ops, ``*_like`` factories, ``copy_``, ``fill_``, ``zero_``,
+  ``_to_copy``, the fused Adam(W) kernels) run on the slices as they are, for inputs laid
+  out alike: per position (per list entry of a foreach op) every tensor has the same
+  placements and shape, or is a 0-d scalar (broadcast; a pending one, e.g. a norm in its
+  backward, is reduced first: one all-reduce), or is a ``Replicate`` tensor of the same
+  shape (sliced locally, no communication). The output has the input's placements; in-place
+  ops write the slices. A position with no RaggedShard (a foreach list mixing layouts)
+  follows the same rule with its own layout.
 * ``sum``/``mean``/``linalg_vector_norm``/``_foreach_norm`` over every dim reduce each slice
   and leave the cross-rank reduction pending: ``Partial("sum")`` (a mean divides by the
   global numel), upstream's ``_NormPartial(p)`` (finite ``p > 0``) or
