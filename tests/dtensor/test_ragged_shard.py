@@ -317,6 +317,11 @@ def test_shape_checks_on_a_meta_mesh():
             r"at most one RaggedShard",
         ),
         ((6,), [RaggedShard((0, 1), (1, 2)), Replicate()], r"dims exceed the 1-D tensor"),
+        (
+            (6, 4),
+            [RaggedShard((0,), (1, 2)), vescale.InterleavedShard(1, 2)],
+            r"does not compose with an interleaved shard",
+        ),
     ]
     for shape, placements, match in bad:
         with pytest.raises(ValueError, match=match) as info:

@@ -37,11 +37,10 @@ from vescale._torch_compat import (
     MemberType,
     OpSchema,
     OutputSharding,
-    StridedShard,
     compute_local_shape_at,
     register_opaque_type,
 )
-from vescale.dtensor.layout import chunk_sizes
+from vescale.dtensor.layout import chunk_sizes, interleave_factor
 
 __all__ = [
     "RaggedShard",
@@ -242,7 +241,7 @@ def check_ragged(
             f"{what}: {p!r} on mesh dim {m} has {len(p.local_units)} local_units for the "
             f"{mesh.size(m)} ranks of that mesh dim {where}"
         )
-    if any(isinstance(q, StridedShard) for q in placements):
+    if any(interleave_factor(q) is not None for q in placements):
         raise ValueError(f"{what}: RaggedShard does not compose with an interleaved shard {where}")
     if len(p.dims) > len(shape):
         raise ValueError(f"{what}: {p!r} dims exceed the {len(shape)}-D tensor's {where}")
