@@ -106,6 +106,11 @@ def test_mixed_precision_equals_one_device(pool2):
     pool2.run(_mixed_precision_vs_one_device)
 
 
+def _assert_grads_equal(ref, model) -> None:
+    for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
+        assert torch.allclose(p.grad.full_tensor(), p_ref.grad, rtol=1e-10, atol=1e-12), name
+
+
 def _gradient_accumulation() -> None:
     """Two micro-batches before one step: the sharded gradients accumulate as one device's."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -114,8 +119,7 @@ def _gradient_accumulation() -> None:
         ids, targets, my_ids, my_targets = _local_batch(step, rank, world)
         ref(ids, targets).backward()
         model(my_ids, my_targets).backward()
-    for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
-        assert torch.allclose(p.grad.full_tensor(), p_ref.grad, rtol=1e-10, atol=1e-12), name
+    _assert_grads_equal(ref, model)
 
 
 def test_gradient_accumulation(pool2):
@@ -123,8 +127,8 @@ def test_gradient_accumulation(pool2):
 
 
 def _forward_raises_then_trains() -> None:
-    """A forward that raises (in the root, after the blocks ran) leaves the sharded parameters in place and the
-    next step right (the hooks' state is cleaned up)."""
+    """A forward that raises (in the root, after the blocks ran) leaves the sharded
+    parameters in place and the next step right (the hooks' state is cleaned up)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     ref, model = _models(world)
     ids, targets, my_ids, my_targets = _local_batch(0, rank, world)
@@ -133,8 +137,7 @@ def _forward_raises_then_trains() -> None:
     assert all(isinstance(p, vescale.DTensor) for p in model.parameters())
     ref(ids, targets).backward()
     model(my_ids, my_targets).backward()
-    for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
-        assert torch.allclose(p.grad.full_tensor(), p_ref.grad, rtol=1e-10, atol=1e-12), name
+    _assert_grads_equal(ref, model)
 
 
 def test_forward_that_raises_leaves_a_usable_model(pool2):
