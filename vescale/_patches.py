@@ -106,7 +106,7 @@ def _write(table: MutableMapping[Any, Any], key: Any, value: Any) -> None:
 
 
 def _clear_caches() -> None:
-    from vescale.dtensor.ops._registry import PROPAGATOR
+    from vescale._torch_compat import PROPAGATOR
 
     torch._C._clear_DTensor_sharding_propagator_cache()
     PROPAGATOR.propagate_op_sharding.cache_clear()
@@ -166,8 +166,8 @@ def register_op_strategy(
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Upstream's ``register_op_strategy`` decorator, recorded in the seam: the strategy
     (and its schema info) replaces upstream's for ``op`` in the one sharding propagator."""
+    from vescale._torch_compat import PROPAGATOR as propagator
     from vescale._torch_compat import upstream_register_op_strategy
-    from vescale.dtensor.ops._registry import PROPAGATOR as propagator
 
     ops: list[Any] = list(op) if isinstance(op, list | tuple) else [op]
 
@@ -230,6 +230,7 @@ def temporarily(owner: Any, name: str, value: Any) -> Iterator[None]:
 def _attribute_table() -> list[_Attribute]:
     from torch.distributed.tensor import DTensor
 
+    from vescale._torch_compat import PROPAGATOR as propagator
     from vescale._torch_compat import (
         ExplicitRedistributionContext,
         LocalLRUCache,
@@ -247,7 +248,6 @@ def _attribute_table() -> list[_Attribute]:
         placement_types,
         propagation,
     )
-    from vescale.dtensor.ops._registry import PROPAGATOR as propagator
 
     return [
         _Attribute(

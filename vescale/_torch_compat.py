@@ -23,6 +23,7 @@ from torch.distributed._functional_collectives import _are_we_tracing as are_we_
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.device_mesh import _mesh_resources
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
+from torch.distributed.tensor import DTensor as _UpstreamDTensor
 from torch.distributed.tensor import _dispatch as upstream_dispatch_module
 from torch.distributed.tensor._collective_utils import mesh_scatter, redistribute_cost
 from torch.distributed.tensor._dispatch import OpDispatcher
@@ -67,6 +68,7 @@ from torch.utils._pytree import tree_map
 
 __all__ = [
     "DYNAMO_COMPILER_FNS",
+    "PROPAGATOR",
     "AsyncCollectiveTensor",
     "DTensorSpec",
     "ExplicitRedistributionContext",
@@ -117,6 +119,9 @@ __all__ = [
     "upstream_register_op_strategy",
     "upstream_strategy_utils",
 ]
+
+PROPAGATOR = _UpstreamDTensor._op_dispatcher.sharding_propagator
+"""Upstream's one sharding propagator (its strategy tables hold vescale's strategies too)."""
 
 from_functional_tensor = torch._from_functional_tensor
 PreparedSingleDimStrategy = _PreparedSingleDimStrategy

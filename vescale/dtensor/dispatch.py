@@ -23,8 +23,9 @@ from vescale.dtensor.hooks import (
     unregister_pre_dispatch_patch,
 )
 from vescale.dtensor.ops._registry import register_rule, register_strategy
+from vescale.dtensor.ops._registry import register_rule as vescale_propagation_rule
 from vescale.dtensor.plugin import plugin_op
-from vescale.dtensor.propagation import UnsupportedOpError, vescale_propagation_rule
+from vescale.dtensor.propagation import UnsupportedOpError
 
 __all__ = [
     "ImplicitRedistributionError",

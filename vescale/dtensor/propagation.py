@@ -9,21 +9,29 @@ input, and a missing strategy as :class:`UnsupportedOpError`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from vescale._torch_compat import DTensorSpec, OpSchema, OutputSharding
 from vescale.dtensor.dtensor import as_vescale_spec, is_vescale_spec, vescale_rules
-from vescale.dtensor.ops._registry import propagate, register_rule
 from vescale.dtensor.ragged import ragged_propagation
 
 __all__ = [
     "UnsupportedOpError",
+    "answer_with",
     "mark_vescale",
     "propagate_op_sharding",
-    "vescale_propagation_rule",
 ]
 
-vescale_propagation_rule = register_rule  # the public name (vescale.dtensor.dispatch)
+Query = Callable[[OpSchema], OutputSharding]
+_registry_query: list[Query] = []  # the op registry's, set by answer_with when it is imported
+
+
+def answer_with(query: Query) -> None:
+    """The op registry hands its query (``_registry.propagate``) to the entry point here.
+    Inverted so that this module, which the seam (:mod:`vescale._patches`) installs, imports
+    neither the registry nor, through it, the seam."""
+    _registry_query[:] = [query]
 
 
 class UnsupportedOpError(NotImplementedError):
@@ -61,7 +69,7 @@ def propagate_op_sharding(op_schema: OpSchema) -> OutputSharding:
             ragged = ragged_propagation(op_schema)  # a RaggedShard input: its rule, or why not
             if isinstance(ragged, str):
                 raise UnsupportedOpError(ragged)
-            out = ragged(op_schema) if ragged is not None else propagate(op_schema)
+            out = ragged(op_schema) if ragged is not None else _registry_query[0](op_schema)
     except UnsupportedOpError:
         raise
     except NotImplementedError as err:

@@ -54,6 +54,7 @@ from torch.distributed.tensor.placement_types import Placement, Shard
 
 from vescale import _patches
 from vescale._torch_compat import (
+    PROPAGATOR,
     DTensorSpec,
     OpSchema,
     OpSpec,
@@ -64,6 +65,7 @@ from vescale._torch_compat import (
     pytree,
     upstream_strategy_utils,
 )
+from vescale.dtensor import propagation
 from vescale.dtensor.dtensor import vescale_rules, vescale_rules_active
 from vescale.dtensor.op_args import bind
 
@@ -107,8 +109,6 @@ Strategy = Callable[[OpSchema], Any]
 RuleFn = Callable[[OpSchema], OutputSharding]
 Predicate = Callable[..., bool]
 
-PROPAGATOR = _UpstreamDTensor._op_dispatcher.sharding_propagator
-"""Upstream's one sharding propagator (its strategy tables hold vescale's strategies too)."""
 
 MAX_COMBINATIONS = 1024
 """Most input-candidate combinations one strategy query enumerates."""
@@ -194,6 +194,9 @@ def propagate(op_schema: OpSchema) -> OutputSharding:
     propagation."""
     rule = _RULES.get(op_schema.op) if vescale_rules_active() else None
     return rule(op_schema) if rule is not None else upstream_propagate(op_schema)
+
+
+propagation.answer_with(propagate)  # eager dispatch's entry point asks this query
 
 
 def _zero_cost(*_args: Any, **_kwargs: Any) -> float:
