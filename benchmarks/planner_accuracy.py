@@ -22,7 +22,8 @@ step really issues) plus the same SGD estimate; a program whose capture failed r
 up, then ``--steps`` rounds time one step of each in turn (rank 0's medians: a shared
 machine's load drifts, so all medians come from the same stretch). Printed: the table,
 Spearman's rank correlation of each prediction with the measurements, and the solver's
-choice (``solver``) against the fastest measured program.
+choice (``solver``: an empty plan, the batch free over both mesh dims) against the fastest
+measured program.
 """
 
 from __future__ import annotations
@@ -51,9 +52,8 @@ from vescale import Replicate, Shard
 from vescale.backend import capture_graphs
 from vescale.cost import CostModel
 from vescale.fx.timeline import timeline
-from vescale.plan import calibrate
+from vescale.plan import Batch, calibrate
 from vescale.plan.cost import local_bytes
-from vescale.plan.program import DP_GATHER_PENALTY_US
 
 MODELS = {
     "tiny": gpt.GPTConfig(vocab=128, seq=32, dim=64, heads=4, layers=4),
@@ -86,7 +86,7 @@ DP, DP4, SEQ = (S0, R), (S0, S0), (S0, S1)
 @dataclass(frozen=True)
 class Program:
     plan: dict[str, Any]
-    batch: tuple[Any, ...]
+    batch: Any  # the placements of both inputs, or a Batch
     solver: str
 
 
@@ -99,7 +99,8 @@ PROGRAMS = {
     "Megatron+SP": Program({**TP, "*": (R, R)}, SEQ, "greedy"),
     "2-D FSDPxTP": Program(FSDP_TP, DP, "greedy"),
     "Megatron weights, global": Program({**TP, "*": (R, R)}, DP, "global"),
-    "solver": Program(SOLVER_PLAN, DP, "global"),
+    "solver, weights named": Program(SOLVER_PLAN, DP, "global"),
+    "solver": Program({}, Batch("dp", "tp"), "global"),  # empty plan, the batch free
 }
 
 
@@ -158,9 +159,8 @@ def _build(cfg: gpt.GPTConfig, mesh: Any, program: Program, cost: CostModel) -> 
         step(0)
     step(1)
     step(2)
-    solution = model.explain().solution
-    assert solution is not None
-    planner = solution.objective_us % DP_GATHER_PENALTY_US  # less a penalty it took, if any
+    planner = model.explain().step_us
+    assert planner is not None
     tl_us, collectives = _timeline_us(graphs) if graphs else (math.nan, -1)  # -1: eager
     opt_us = _optimizer_us(model.module, cost, tuple(mesh.shape))
     return Row(planner + opt_us, tl_us + opt_us, opt_us, collectives, step)

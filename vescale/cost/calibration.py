@@ -57,7 +57,7 @@ _by_shape: dict[tuple[tuple[int, ...], str], CostModel] = {}  # for readers off 
 def calibrate(mesh: DeviceMesh) -> CostModel:
     """The :class:`CostModel` of ``mesh`` on this machine (see module docstring); meshes on
     the meta or fake backends get :func:`default_cost_model`."""
-    backend = "meta" if mesh.device_type == "meta" else str(dist.get_backend())
+    backend = "meta" if mesh.device_type == "meta" else _backend(mesh)
     if backend in ("meta", "fake"):
         return default_cost_model(mesh.ndim)
     key = _key(mesh, backend)
@@ -76,6 +76,14 @@ def calibrate(mesh: DeviceMesh) -> CostModel:
         model = box[0]
     _cache[key] = _by_shape[(tuple(mesh.shape), mesh.device_type)] = model
     return model
+
+
+def _backend(mesh: DeviceMesh) -> str:
+    """The backend of ``mesh``'s groups for its device type (``dist.get_backend`` reads
+    "undefined" for a default group ``init_device_mesh`` made from its device-type map)."""
+    config = dist.get_backend_config(mesh.get_group(0))  # "gloo" or "cpu:gloo,cuda:nccl"
+    by_device = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
+    return by_device.get(mesh.device_type, config)
 
 
 def cache_path(key: str) -> Path:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from vescale.plan.cost import CommStep, group_of, step_time
-from vescale.plan.program import PlacedProgram
+from vescale.plan.program import DP_GATHER_PENALTY_US, PlacedProgram
 from vescale.plan.propagate import Placements
 from vescale.plan.solve import Solution
 
@@ -58,6 +58,14 @@ class Explanation:
     memory: dict[str, int] = field(default_factory=dict)  # bytes per rank by kind, "total"
     budget: int | None = None
     recipe: str = ""
+    penalties: int = 0  # data-parallel gathers taken (in the objective, not in the estimate)
+
+    @property
+    def step_us(self) -> float | None:
+        """The solver's estimated step time (us), without the soft penalties it took."""
+        if self.solution is None:
+            return None
+        return self.solution.objective_us - self.penalties * DP_GATHER_PENALTY_US
 
     @property
     def bytes_by_dim_and_kind(self) -> Counter[tuple[Any, str]]:
@@ -80,8 +88,8 @@ class Explanation:
     def estimated_us(self) -> float:
         """Every redistribution's time, a bucket's latency once."""
         shared = sum(
-            max(self.alpha_beta.alpha[d] for d in _dims(key)) * (n - 1)
-            for (_, _, key), n in self.buckets.items()
+            self.alpha_beta.comm_s(kind, _dims(key), 2, 0) * (n - 1)
+            for (_, kind, key), n in self.buckets.items()
         )
         return sum(r.cost_us for r in self.redistributions) - shared * 1e6
 
@@ -133,10 +141,15 @@ class Explanation:
         sol = self.solution
         if sol is None:
             return []
-        line = f"{sol.status}: estimated step {sol.objective_us:.1f} us"
+        line = f"{sol.status}: estimated step {self.step_us:.1f} us"
         if sol.gap is not None:
             gap_us = max(sol.objective_us - (sol.bound_us or 0.0), 0.0)
-            line += f" (lower bound {sol.bound_us:.1f} us, gap {gap_us:.1f} us = {sol.gap:.2%})"
+            line += f" (gap to the lower bound {gap_us:.1f} us = {sol.gap:.2%})"
+        if self.penalties:
+            line += (
+                f"; {self.penalties} value(s) computed from the batch gathered over a "
+                f"data-parallel mesh dim (no strategy keeps them split)"
+            )
         if sol.greedy_us is not None:
             line += f"; greedy {sol.greedy_us:.1f} us"
         if sol.pairs[1]:
@@ -275,34 +288,37 @@ def explain(program: PlacedProgram, max_alternatives: int = 3) -> Explanation:
         memory={} if program.memory is None else program.memory.of(program.chosen),
         budget=None if program.memory is None else program.memory.budget,
         recipe=recipe(program),
+        penalties=program.penalties,
     )
 
 
 def recipe(program: PlacedProgram) -> str:
-    """The hand-written recipe the choice amounts to, per mesh dim: ``DDP`` (batch split,
-    parameters replicated: gradients reduced), ``FSDP`` (batch split, parameters sharded:
-    gathered before use, gradients reduce-scattered), ``TP`` (batch whole, parameters
-    sharded), ``replicated``; by the majority of trained parameter bytes (the share when
-    not all), e.g. ``"FSDP over dp x TP over tp"``."""
+    """The hand-written recipe the choice amounts to, per mesh dim, read from each trained
+    parameter's placement and its gradient's as computed: ``DDP`` (parameter replicated,
+    gradient partial: reduced), ``FSDP`` (parameter sharded, gradient partial: gathered
+    before use, gradient reduce-scattered), ``TP`` (parameter sharded, gradient not
+    reduced), ``replicated`` (neither); by the majority of trained parameter bytes (the share
+    when not all), e.g. ``"FSDP over dp x TP over tp"``."""
     joint, mesh = program.joint, program.mesh
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
     by_name = {n.name: n for n in program.table}
-    nparams = len(joint.param_names) + len(joint.buffer_names)
-    batch: set[int] = set()
-    for ph in joint.placeholder_names[nparams:]:
-        placements = program.placements((by_name[ph], None))
-        batch.update(d for d, p in enumerate(placements) if p.is_shard())
-    trained = set(joint.grad_of.values())
+    owner_ph = dict(zip(joint.param_names, joint.placeholder_names))
+    output = next(n for n in joint.gm.graph.nodes if n.op == "output")
+    outs = output.args[0]
     weights: list[Counter[str]] = [Counter() for _ in range(mesh.ndim)]
-    for owner, ph in zip(joint.param_names, joint.placeholder_names):
-        if owner not in trained:
+    for pos, owner in joint.grad_of.items():
+        param, grad = by_name[owner_ph[owner]], outs[pos]
+        if not isinstance(grad, torch.fx.Node) or grad not in program.table:
             continue
-        node = by_name[ph]
-        size = node.meta["val"].numel()
-        for d, p in enumerate(program.placements((node, None))):
-            split = d in batch
+        size = param.meta["val"].numel()
+        held = program.placements((param, None))
+        computed = program.placements((grad, None))
+        for d, (p, g) in enumerate(zip(held, computed)):
+            reduced = g.is_partial()
             kind = (
-                ("FSDP" if split else "TP") if p.is_shard() else ("DDP" if split else "replicated")
+                ("FSDP" if reduced else "TP")
+                if p.is_shard()
+                else ("DDP" if reduced else "replicated")
             )
             weights[d][kind] += size
     parts: list[tuple[str, list[str]]] = []

@@ -62,6 +62,7 @@ class PlacedProgram:
     solution: Solution | None = None
     flat: bool = False  # a same-kind step over several mesh dims: one flattened collective
     memory: Memory | None = None
+    penalties: int = 0  # data-parallel gathers the choice takes (each DP_GATHER_PENALTY_US)
 
     def placements(self, value: Value) -> Placements:
         node, k = value
@@ -210,11 +211,7 @@ def place(
         )
         if steps is None:
             return None
-        penalty = 0.0
-        if activation and any(
-            s.kind == "all_gather" and dp_dims.intersection(group_of(s)) for s in steps
-        ):
-            penalty = DP_GATHER_PENALTY_US  # data-parallel work stays split (_data_parallel_dims)
+        penalty = DP_GATHER_PENALTY_US if activation and _gathers(steps, dp_dims) else 0.0
         return penalty + sum(step_time(alpha_beta, s) for s in steps) * 1e6
 
     def compute(node: torch.fx.Node, s: int) -> float:
@@ -245,7 +242,7 @@ def place(
     solution = solve_once(solve, problem, solving_group(mesh))  # rank 0's, when it spans the world
     check_budget(memory, solution.chosen)  # every rank holds the same choice: the same error
     timings = {"propagate": propagated - start, "solve": time.perf_counter() - propagated}
-    return PlacedProgram(
+    program = PlacedProgram(
         joint,
         mesh,
         table,
@@ -258,6 +255,16 @@ def place(
         flat,
         memory,
     )
+    for demand in demands:  # the penalties the objective holds, to report the step without
+        src, dst = program.placements(demand.value), program.required(demand)
+        if src != dst and demand.value[0] in activations:
+            program.penalties += _gathers(program.steps(demand.value, src, dst), dp_dims)
+    return program
+
+
+def _gathers(steps: Sequence[CommStep], dp_dims: set[int]) -> bool:
+    """Whether ``steps`` gather over a data-parallel mesh dim (:data:`DP_GATHER_PENALTY_US`)."""
+    return any(s.kind == "all_gather" and dp_dims.intersection(group_of(s)) for s in steps)
 
 
 def check_budget(memory: Memory, chosen: dict[torch.fx.Node, int] | None) -> None:
