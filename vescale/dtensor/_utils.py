@@ -38,7 +38,9 @@ def compute_local_shape(
     (``torch.chunk`` split); ``()`` on a rank outside ``mesh``."""
     if mesh.get_coordinate() is None:
         return ()
-    shape, _ = compute_local_shape_and_global_offset(tuple(global_shape), mesh, placements)
+    shape, _ = compute_local_shape_and_global_offset(
+        tuple(global_shape), mesh, placements, skip_offset=True
+    )
     return tuple(shape)
 
 

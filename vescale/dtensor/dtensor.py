@@ -498,7 +498,9 @@ def _checked_from_local(
 
 
 def _local_shape(spec: DTensorSpec) -> tuple[int, ...]:
-    shape, _ = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
+    shape, _ = compute_local_shape_and_global_offset(
+        spec.shape, spec.mesh, spec.placements, skip_offset=True
+    )
     return tuple(shape)
 
 

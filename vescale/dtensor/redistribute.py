@@ -100,7 +100,9 @@ def redistribute_local_tensor(
 def meta_shard(local: torch.Tensor, shape: torch.Size, dst: DTensorSpec) -> torch.Tensor:
     """On a meta mesh (shape-only planning): this rank's shard of a global ``shape`` laid
     out as ``dst``, an empty tensor like ``local``; nothing is communicated."""
-    local_shape, _ = compute_local_shape_and_global_offset(shape, dst.mesh, dst.placements)
+    local_shape, _ = compute_local_shape_and_global_offset(
+        shape, dst.mesh, dst.placements, skip_offset=True
+    )
     return local.new_empty(local_shape)
 
 
@@ -191,7 +193,7 @@ def _one_mesh_dim(
     mesh, ndim = spec.mesh, spec.mesh.ndim
     replicated: list[Placement] = [Replicate()] * ndim
     outer = (*cur[:mesh_dim], *replicated[mesh_dim:])
-    shape, _ = compute_local_shape_and_global_offset(spec.shape, mesh, outer)
+    shape, _ = compute_local_shape_and_global_offset(spec.shape, mesh, outer, skip_offset=True)
     dtype = spec.tensor_meta.dtype  # type: ignore[union-attr]
     meta = TensorMeta(torch.Size(shape), contiguous_strides(shape), dtype)
     only = replicated.copy()
