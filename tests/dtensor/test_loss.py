@@ -86,3 +86,29 @@ def _check_mixed_layouts(shape):
 
 def test_losses_on_inputs_of_different_layouts(pool4):
     pool4.run(_check_mixed_layouts, (5, 7))  # uneven, one empty shard of dim 0
+
+
+def _check_nll_on_average_partial():
+    """``nll_loss`` on a ``Partial("avg")`` input: the mean of the ranks' values is the input
+    (the vocabulary-parallel handler takes sum-partials only; an average must be reduced
+    first, or the loss is the sum of the ranks' losses)."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 5, generator=g, dtype=torch.float64).log_softmax(-1)
+    noise = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    t = torch.randint(0, 5, (6,), generator=g)
+    rank = torch.distributed.get_rank()
+    mesh = vescale.init_device_mesh("cpu", (4,))
+    local = x + (rank - 1.5) * noise  # the four ranks' values average to x
+    dx = vescale.from_local(local, mesh, [Partial("avg")], run_check=False)
+    dt = vescale.from_local(t, mesh, [Replicate()], run_check=False)
+    with pytest.raises(vescale.dtensor.explicit.ImplicitRedistributionError, match="avg"):
+        F.nll_loss(dx, dt)  # explicit mode: the reduction is the user's to ask for
+    for reduction in ("mean", "sum"):
+        with vescale.dtensor.explicit_redistribute(False):
+            loss = F.nll_loss(dx, dt, reduction=reduction)
+        want = F.nll_loss(x, t, reduction=reduction)
+        torch.testing.assert_close(loss.full_tensor(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_nll_loss_on_an_average_partial_is_the_loss_of_the_average(pool4):
+    pool4.run(_check_nll_on_average_partial)

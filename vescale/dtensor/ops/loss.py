@@ -41,7 +41,7 @@ from vescale.dtensor.ops._registry import (
     handler_strategy,
     takes_over,
 )
-from vescale.dtensor.placement_types import Partial, Placement, Replicate
+from vescale.dtensor.placement_types import Partial, Placement, Replicate, is_private_partial
 
 __all__ = [
     "ELEMENTWISE_LOSSES",
@@ -235,6 +235,13 @@ def sharded_log_softmax_backward(
     return wrap_local(g - o.exp() * total, out.device_mesh, out.placements, out.shape)
 
 
+def _sum_partial(p: Placement) -> bool:
+    """A pending sum: ``nll`` is linear in its input, so the handler makes a pending sum of
+    losses of it (its outputs are ``Partial()``); another pending reduction (an average, a
+    max) is reduced first, by upstream's strategies."""
+    return getattr(p, "reduce_op", None) == "sum" and not is_private_partial(p)
+
+
 @declare_handler_strategies(
     [aten.nll_loss_forward.default, aten.nll_loss_backward.default], layout_arg="self"
 )
@@ -250,6 +257,7 @@ def _nll_strategy(op: torch._ops.OpOverload, a: dict[str, Any]) -> HandlerStrate
         and x.ndim in (1, 2)
         and contiguous_shards(x.placements)
         and any(not p.is_replicate() and x.mesh.size(i) > 1 for i, p in enumerate(x.placements))
+        and all(_sum_partial(p) for p in x.placements if p.is_partial())
     ):
         return None
     mesh = x.mesh
