@@ -14,7 +14,6 @@ from typing import Any
 
 from vescale._torch_compat import DTensorSpec, OpSchema, OutputSharding
 from vescale.dtensor.dtensor import as_vescale_spec, is_vescale_spec, vescale_rules
-from vescale.dtensor.ragged import ragged_propagation
 
 __all__ = [
     "UnsupportedOpError",
@@ -66,10 +65,7 @@ def propagate_op_sharding(op_schema: OpSchema) -> OutputSharding:
     )
     try:
         with vescale_rules(vescale):
-            ragged = ragged_propagation(op_schema)  # a RaggedShard input: its rule, or why not
-            if isinstance(ragged, str):
-                raise UnsupportedOpError(ragged)
-            out = ragged(op_schema) if ragged is not None else _registry_query[0](op_schema)
+            out = _registry_query[0](op_schema)
     except UnsupportedOpError:
         raise
     except NotImplementedError as err:

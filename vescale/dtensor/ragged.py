@@ -26,17 +26,13 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from vescale._torch_compat import (
-    DTensorSpec,
     MemberType,
-    OpSchema,
-    OutputSharding,
     compute_local_shape_at,
     register_opaque_type,
 )
@@ -48,8 +44,6 @@ __all__ = [
     "find_ragged",
     "inner_shape",
     "ragged_local_range",
-    "ragged_propagation",
-    "ragged_rule",
     "replace_ragged",
 ]
 
@@ -255,53 +249,3 @@ def check_ragged(
                 f"leave it) into sum(local_units) = {total} equal units {where}; choose "
                 f"local_units whose sum divides the rows"
             )
-
-
-# ---- ops on RaggedShard inputs -----------------------------------------------------------
-
-RuleFn = Callable[[OpSchema], OutputSharding]
-_RULES: dict[Any, RuleFn] = {}
-
-
-def ragged_rule(ops: Any) -> Callable[[RuleFn], RuleFn]:
-    """``@ragged_rule(op or [ops])``: ``fn(op_schema) -> OutputSharding`` decides the sharding
-    of ``op`` when an input has a RaggedShard (its local tensors are 1-D slices); ops without
-    a rule raise ``UnsupportedOpError`` on such inputs (``propagation.py``)."""
-
-    def register(fn: RuleFn) -> RuleFn:
-        for op in ops if isinstance(ops, list | tuple) else [ops]:
-            _RULES[op] = fn
-        return fn
-
-    return register
-
-
-def _ragged_specs(schema: OpSchema) -> list[DTensorSpec]:
-    args = [*schema.args_schema, *schema.kwargs_schema.values()]
-    flat = [x for a in args for x in (a if isinstance(a, list | tuple) else [a])]
-    return [s for s in flat if isinstance(s, DTensorSpec) and find_ragged(s.placements)]
-
-
-def ragged_propagation(schema: OpSchema) -> RuleFn | str | None:
-    """For ``schema`` with a RaggedShard input: its op's rule, or the error text (naming the
-    op, its RaggedShard inputs and the mesh) if it has none; ``None`` without such inputs."""
-    specs = _ragged_specs(schema)
-    if not specs:
-        return None
-    rule = _RULES.get(schema.op)
-    if rule is not None:
-        return rule
-    inputs = ", ".join(f"{tuple(s.placements)} {list(s.shape)}" for s in specs)
-    return (
-        f"{schema.op}: not supported on RaggedShard inputs ({inputs} on {specs[0].mesh}); "
-        f"redistribute them to Shard/Replicate first (x.redistribute(mesh, placements)) "
-        f"or register a rule (vescale.dtensor.ragged.ragged_rule)"
-    )
-
-
-@ragged_rule([torch.ops.aten.detach.default, torch.ops.aten.alias.default])
-def _same_layout(schema: OpSchema) -> OutputSharding:
-    """Ops whose output is their input's data as laid out (``nn.Parameter`` detaches)."""
-    spec = schema.args_schema[0]
-    assert isinstance(spec, DTensorSpec)
-    return OutputSharding(DTensorSpec(spec.mesh, spec.placements, tensor_meta=spec.tensor_meta))

@@ -68,6 +68,7 @@ from vescale._torch_compat import (
 from vescale.dtensor import propagation
 from vescale.dtensor.dtensor import vescale_rules, vescale_rules_active
 from vescale.dtensor.op_args import bind
+from vescale.dtensor.propagation import UnsupportedOpError
 
 __all__ = [
     "MAX_COMBINATIONS",
@@ -150,15 +151,26 @@ def wrap_upstream_strategy(op: Any, wrap: Callable[[Strategy], Strategy], prefix
 _RULES: dict[OpOverload, RuleFn] = {}
 
 
-def register_rule(op: Ops) -> Callable[[RuleFn], RuleFn]:
+_PLACEMENT_RULES: dict[type[Placement], dict[OpOverload, RuleFn]] = {}
+
+
+def register_rule(
+    op: Ops, *, placement: type[Placement] | None = None
+) -> Callable[[RuleFn], RuleFn]:
     """``@register_rule(op)``: ``fn(op_schema) -> OutputSharding`` decides ``op``'s sharding
     for concrete input specs when an input is a vescale DTensor (upstream's strategies decide
     otherwise). Its answer's ``redistribute_schema`` (if any) must be a layout it accepts as
-    is: the planner offers each answer as a strategy."""
+    is: the planner offers each answer as a strategy.
+
+    ``placement=`` (a placement only vescale knows, e.g. ``RaggedShard``): the rule decides
+    for every input holding one, before any other; an op with no rule for it raises
+    :class:`UnsupportedOpError` naming op, inputs and mesh."""
+
+    table = _RULES if placement is None else _PLACEMENT_RULES.setdefault(placement, {})
 
     def register(fn: RuleFn) -> RuleFn:
         for o in op_list(op):
-            _RULES[o] = fn
+            table[o] = fn
         return fn
 
     return register
@@ -192,8 +204,34 @@ def propagate(op_schema: OpSchema) -> OutputSharding:
     """What ``op_schema.op`` does on these input specs: its rule while vescale rules are
     active (an op with a vescale input propagates, or the planner asks), else upstream's
     propagation."""
+    for placement, rules in _PLACEMENT_RULES.items():
+        holding = _specs_holding(op_schema, placement)
+        if holding:
+            if op_schema.op not in rules:
+                raise UnsupportedOpError(_unsupported(op_schema.op, placement, holding))
+            return rules[op_schema.op](op_schema)
     rule = _RULES.get(op_schema.op) if vescale_rules_active() else None
     return rule(op_schema) if rule is not None else upstream_propagate(op_schema)
+
+
+def _specs_holding(schema: OpSchema, placement: type[Placement]) -> list[DTensorSpec]:
+    args = [*schema.args_schema, *schema.kwargs_schema.values()]
+    flat = [x for a in args for x in (a if isinstance(a, list | tuple) else [a])]
+    return [
+        s
+        for s in flat
+        if isinstance(s, DTensorSpec) and any(isinstance(p, placement) for p in s.placements)
+    ]
+
+
+def _unsupported(op: OpOverload, placement: type[Placement], specs: list[DTensorSpec]) -> str:
+    inputs = ", ".join(f"{tuple(s.placements)} {list(s.shape)}" for s in specs)
+    name = placement.__name__
+    return (
+        f"{op}: not supported on {name} inputs ({inputs} on {specs[0].mesh}); redistribute "
+        f"them to Shard/Replicate first (x.redistribute(mesh, placements)) or register a rule "
+        f"(vescale.dtensor.dispatch.register_rule(op, placement={name}))"
+    )
 
 
 propagation.answer_with(propagate)  # eager dispatch's entry point asks this query

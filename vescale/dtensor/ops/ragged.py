@@ -22,7 +22,7 @@ A RaggedShard's local tensor is the rank's 1-D slice of the flattened storage, s
 
 Every other op, and any other layout, raises ``UnsupportedOpError`` naming the op, the
 placements and the mesh, and saying to redistribute first: ops without a rule at the sharding
-rule's gate (:func:`vescale.dtensor.ragged.ragged_propagation`), ops with a dispatch handler
+rule's gate (the registry's rules for inputs holding a RaggedShard, :func:`vescale.dtensor.ops._registry.register_rule`), ops with a dispatch handler
 of their own (random ops, ``topk``, ...) before that handler runs (a pre-dispatch patch).
 """
 
@@ -46,10 +46,11 @@ from vescale.dtensor.ops._registry import (
     hooks_of,
     on_hooks_changed,
     pre_dispatch_patch,
+    register_rule,
 )
 from vescale.dtensor.placement_types import ExtremumNormPartial, Partial, Placement, Replicate
 from vescale.dtensor.propagation import UnsupportedOpError
-from vescale.dtensor.ragged import RaggedShard, find_ragged, ragged_rule
+from vescale.dtensor.ragged import RaggedShard, find_ragged
 
 __all__ = ["ELEMENTWISE_OPS", "REDUCTION_OPS", "ragged_reduction"]
 
@@ -187,7 +188,7 @@ def _output_spec(
     return DTensorSpec(layout.mesh, layout.placements, tensor_meta=meta)
 
 
-@ragged_rule(ELEMENTWISE_OPS)
+@register_rule(ELEMENTWISE_OPS, placement=RaggedShard)
 def _elementwise(schema: OpSchema) -> OutputSharding:
     """Element-wise ops on equally laid out inputs (see the module doc)."""
     n = _positions(schema)
@@ -430,3 +431,11 @@ def _guard(op: Any) -> None:
 
 
 on_hooks_changed(_guard)
+
+
+@register_rule([aten.detach.default, aten.alias.default], placement=RaggedShard)
+def _same_layout(schema: OpSchema) -> OutputSharding:
+    """Ops whose output is their input's data as laid out (``nn.Parameter`` detaches)."""
+    spec = schema.args_schema[0]
+    assert isinstance(spec, DTensorSpec)
+    return OutputSharding(DTensorSpec(spec.mesh, spec.placements, tensor_meta=spec.tensor_meta))
