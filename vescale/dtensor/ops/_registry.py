@@ -525,9 +525,13 @@ def unregister_bypass_dispatch(op: Ops) -> None:
     _update(op, change)
 
 
-def unregister_pre_dispatch_patch(op: Ops) -> None:
-    """Remove all of ``op``'s pre-dispatch patches."""
-    _update(op, lambda h: h.pre.clear())
+def unregister_pre_dispatch_patch(op: Ops, fn: Callable[..., Any] | None = None) -> None:
+    """Remove ``op``'s pre-dispatch patch ``fn`` (default: all of them)."""
+    _update(op, lambda h: h.pre.clear() if fn is None else _drop(h.pre, fn))
+
+
+def _drop(hooks: list[Hook], fn: Callable[..., Any]) -> None:
+    hooks[:] = [h for h in hooks if h.fn is not fn]
 
 
 def unregister_post_dispatch_patch(op: Ops) -> None:

@@ -47,6 +47,7 @@ from vescale.dtensor.ops._registry import (
     on_hooks_changed,
     pre_dispatch_patch,
     register_rule,
+    unregister_pre_dispatch_patch,
 )
 from vescale.dtensor.placement_types import ExtremumNormPartial, Partial, Placement, Replicate
 from vescale.dtensor.propagation import UnsupportedOpError
@@ -420,14 +421,18 @@ def _reject(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _guard(op: Any) -> None:
-    """A handler of ``op``'s own (not RaggedShard-aware) is preceded by :func:`_reject`."""
+    """A handler of ``op``'s own (not RaggedShard-aware) is preceded by :func:`_reject`, for
+    as long as the handler is there."""
     hooks = hooks_of(op)
-    if op in _guarded or op in _RAGGED_AWARE or hooks is None:
+    if op in _RAGGED_AWARE:
         return
-    if hooks.bypass is None and hooks.prop is None:
-        return
-    _guarded.add(op)
-    pre_dispatch_patch(op, when=_any_ragged)(_reject)
+    handled = hooks is not None and (hooks.bypass is not None or hooks.prop is not None)
+    if handled and op not in _guarded:
+        _guarded.add(op)
+        pre_dispatch_patch(op, when=_any_ragged)(_reject)
+    elif not handled and op in _guarded:
+        _guarded.discard(op)
+        unregister_pre_dispatch_patch(op, _reject)
 
 
 on_hooks_changed(_guard)
