@@ -339,3 +339,28 @@ def test_strategies_keep_the_layout_without_communication(world, mesh_shape, req
     pool = request.getfixturevalue(f"pool{world}")
     pool.run(_check_strategies, mesh_shape)
     pool.run(_check_linear, mesh_shape)
+
+
+def _check_uneven_strided_gather():
+    from vescale._torch_compat import StridedShard
+
+    mesh = mesh_of((2,))
+    for rows, k in ((7, 3), (30, 4), (5, 2)):
+        full = torch.randn(
+            rows, 3, generator=torch.Generator().manual_seed(rows), dtype=torch.float64
+        )
+        r = torch.distributed.get_rank()  # piece r of each of the k chunks (torch.chunk)
+        pieces = [c.chunk(2)[r] if len(c.chunk(2)) > r else c[:0] for c in full.chunk(k)]
+        strided = [StridedShard(0, split_factor=k)]
+        x = vescale.from_local(
+            torch.cat(pieces), mesh, strided, run_check=False, shape=full.shape, stride=(3, 1)
+        )
+        out = x.redistribute(mesh, [Replicate()]).to_local(async_output=False)
+        assert torch.equal(out, full), (rows, k)
+    return True
+
+
+def test_uneven_strided_shard_gathers_to_the_full_tensor(pool2):
+    """``_StridedShard`` whose pieces differ in length (``torch.chunk`` of ``torch.chunk``):
+    one padded all-gather, then the pieces in global order."""
+    assert pool2.run(_check_uneven_strided_gather) == [True, True]

@@ -67,3 +67,21 @@ def test_local_tensor_mode_simulates_real_numerics():
 def test_vescale_dtensor_is_an_upstream_dtensor():
     assert issubclass(vescale.DTensor, UpstreamDTensor)
     assert issubclass(vescale.DeviceMesh, torch.distributed.device_mesh.DeviceMesh)
+
+
+def test_strided_shard_gathers_on_fake_tensors():
+    """``_StridedShard -> Replicate`` traces on fake tensors (the plan path's capture and
+    Dynamo run there: upstream's own gather reads the pieces' offsets out of a tensor and
+    raised ``DataDependentOutputException``); values: ``test_interleaved_shard.py``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vescale._torch_compat import StridedShard
+
+    for rows, k in ((32, 2), (30, 2), (7, 3)):
+        with fake_world(2):
+            mesh = vescale.init_device_mesh("cpu", (2,))
+            with FakeTensorMode():
+                empty = torch.empty(rows, 3)
+                strided = [StridedShard(0, split_factor=k)]
+                x = vescale.distribute_tensor(empty, mesh, strided, src_data_rank=None)
+                assert x.redistribute(mesh, [Replicate()]).to_local().shape == (rows, 3)

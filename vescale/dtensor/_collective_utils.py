@@ -93,7 +93,7 @@ def mesh_all_gather(
             f"of {mesh})"
         )
     group = _group(mesh, mesh_dim, "mesh_all_gather")
-    out = funcol.all_gather_tensor(tensor.contiguous(), gather_dim=scatter_dim, group=group)
+    out = funcol.all_gather_single(tensor.contiguous(), scatter_dim, group)
     return funcol.wait_tensor(out)
 
 

@@ -60,7 +60,7 @@ def gather_local_tensor_shape(
     for mesh_dim, p in enumerate(placements):
         if shard_only and not isinstance(p, Shard):
             continue
-        gathered = funcol.all_gather_tensor(mine, gather_dim=0, group=mesh.get_group(mesh_dim))
+        gathered = funcol.all_gather_single(mine, 0, mesh.get_group(mesh_dim))
         out[mesh_dim] = funcol.wait_tensor(gathered).tolist()
     return out
 

@@ -25,6 +25,7 @@ import functools
 from collections.abc import Sequence
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from vescale._torch_compat import (
     DTensorSpec,
@@ -34,8 +35,9 @@ from vescale._torch_compat import (
     maybe_run_for_local_tensor,
     upstream_redistribute_local_tensor,
 )
+from vescale.dtensor._collective_utils import mesh_all_gather
 from vescale.dtensor.flat_groups import flattened_mesh
-from vescale.dtensor.layout import contiguous_strides
+from vescale.dtensor.layout import chunk_sizes, contiguous_strides
 from vescale.dtensor.placement_types import Partial, Placement, Replicate
 from vescale.dtensor.ragged import find_ragged
 from vescale.dtensor.ragged_redistribute import redistribute_ragged
@@ -110,7 +112,16 @@ def _direct(
     local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, async_op: bool
 ) -> torch.Tensor:
     """Upstream's planner to Replicate on the mesh dims that target a Partial, then the local
-    partition."""
+    partition (a lone strided shard leaving its layout: gathered by :func:`strided_gather`
+    first)."""
+    sharded = [m for m, p in enumerate(src.placements) if not p.is_replicate()]
+    if len(sharded) == 1:
+        lone = src.placements[sharded[0]]
+        if isinstance(lone, StridedShard) and lone != dst.placements[sharded[0]]:
+            local = strided_gather(local, lone, src.mesh, sharded[0], src.shape)
+            src = DTensorSpec(src.mesh, (Replicate(),) * src.mesh.ndim, tensor_meta=src.tensor_meta)
+            if src.placements == dst.placements:
+                return local
     mid: tuple[Placement, ...] = tuple(
         Replicate() if d.is_partial() and s != d else d
         for s, d in zip(src.placements, dst.placements)
@@ -126,6 +137,30 @@ def _direct(
             assert isinstance(d, Partial)
             local = replicate_to_partial(local, d.reduce_op, src.mesh._sym_get_coordinate(mesh_dim))
     return local
+
+
+def strided_gather(
+    local: torch.Tensor, p: StridedShard, mesh: DeviceMesh, mesh_dim: int, shape: Sequence[int]
+) -> torch.Tensor:
+    """``_StridedShard(d, split_factor=k) -> Replicate`` on mesh dim ``mesh_dim`` (``n``
+    ranks) of a tensor of ``shape``: dim ``d`` is ``torch.chunk``-ed into ``k`` chunks and each
+    of them into ``n`` pieces, coordinate ``r`` holding piece ``r`` of every chunk. One
+    all-gather of the pieces (padded to the longest), then the pieces in global order. Every
+    size is a Python int, so it traces on fake tensors (upstream reads the offsets out of a
+    tensor, which fails there)."""
+    n, k, d = mesh.size(mesh_dim), int(p.split_factor), p.dim
+    pieces = [chunk_sizes(c, n) for c in chunk_sizes(shape[d], k)]  # [chunk][coordinate]
+    width = max(sum(piece[r] for piece in pieces) for r in range(n))
+    pad = [0, 0] * (local.ndim - 1 - d) + [0, width - local.size(d)]
+    padded = torch.nn.functional.pad(local, pad)
+    gathered_shape = [*shape[:d], n * width, *shape[d + 1 :]]
+    gathered = mesh_all_gather(padded, gathered_shape, mesh, d, mesh_dim)
+    parts = []
+    for c, piece in enumerate(pieces):
+        for r in range(n):
+            start = r * width + sum(q[r] for q in pieces[:c])
+            parts.append(gathered.narrow(d, start, piece[r]))
+    return torch.cat(parts, dim=d)
 
 
 def _has_strided(src: DTensorSpec, dst: DTensorSpec) -> bool:
