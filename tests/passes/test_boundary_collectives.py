@@ -300,3 +300,31 @@ def _check_unwaited_output_feeds_next_region() -> None:
 
 def test_unwaited_output_feeds_next_region(pool2):
     pool2.run(_check_unwaited_output_feeds_next_region)
+
+
+def test_schedule_orders_a_result_waited_twice():
+    """A collective's result waited again (``wait_tensor(wait_tensor(all_reduce))``, as code
+    that waits an already-waited tensor traces): both waits go where the result is first
+    needed, in graph order (the second wait counted as a node to schedule before, the
+    scheduler left 1620 nodes of a compiled step unordered)."""
+
+    def fn(x, w):
+        r = c10d.wait_tensor(c10d.wait_tensor(c10d.all_reduce(x, "sum", group)))
+        return torch.mm(w, w) + r
+
+    with fake_world(2):
+        group = _group()
+        gm = _traced(fn, (4, 4), (4, 4))
+        ctx = _ctx()
+        gm = schedule(gm, ctx)
+    order = _order(gm)
+    assert order == [
+        "x_1",
+        "w_1",
+        "all_reduce",
+        "mm",
+        "wait_tensor",
+        "wait_tensor_1",
+        "add",
+        "output",
+    ]

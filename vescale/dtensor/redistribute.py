@@ -25,6 +25,7 @@ import functools
 from collections.abc import Sequence
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 from vescale._torch_compat import (
@@ -35,7 +36,6 @@ from vescale._torch_compat import (
     maybe_run_for_local_tensor,
     upstream_redistribute_local_tensor,
 )
-from vescale.dtensor._collective_utils import mesh_all_gather
 from vescale.dtensor.flat_groups import flattened_mesh
 from vescale.dtensor.layout import chunk_sizes, contiguous_strides
 from vescale.dtensor.placement_types import Partial, Placement, Replicate
@@ -153,8 +153,7 @@ def strided_gather(
     width = max(sum(piece[r] for piece in pieces) for r in range(n))
     pad = [0, 0] * (local.ndim - 1 - d) + [0, width - local.size(d)]
     padded = torch.nn.functional.pad(local, pad)
-    gathered_shape = [*shape[:d], n * width, *shape[d + 1 :]]
-    gathered = mesh_all_gather(padded, gathered_shape, mesh, d, mesh_dim)
+    gathered = funcol.all_gather_single(padded.contiguous(), d, (mesh, mesh_dim))
     parts = []
     for c, piece in enumerate(pieces):
         for r in range(n):

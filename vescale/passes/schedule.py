@@ -47,17 +47,24 @@ def schedule_order(gm: torch.fx.GraphModule, cap_bytes: int) -> list[torch.fx.No
     is_wait = {n: n.op == "call_function" and n.target is WAIT_TENSOR for n in nodes}
     colls = [n for n in nodes if is_coll[n]]
     prev = {c: p for p, c in itertools.pairwise(colls)}
+
+    def root(wait: torch.fx.Node) -> torch.fx.Node:
+        """The node a wait (or a wait of a wait: a waited result waited again) waits for."""
+        while is_wait[wait]:
+            wait = waited_node(wait)
+        return wait
+
     # waited node (a collective, or a tensor whose collective was issued before this graph)
-    # -> its waits, all placed together when the result is first needed
+    # -> its waits in graph order, all placed together when the result is first needed
     waits: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for n in nodes:
         if is_wait[n]:
-            waits.setdefault(waited_node(n), []).append(n)
+            waits.setdefault(root(n), []).append(n)
 
     def gates(n: torch.fx.Node) -> list[torch.fx.Node]:
         """What must be scheduled before ``n`` can be: inputs, a wait counting as the node it
         waits on (the wait itself is placed on demand)."""
-        out = [waited_node(a) if is_wait[a] else a for a in n.all_input_nodes]
+        out = [root(a) if is_wait[a] else a for a in n.all_input_nodes]
         if n in prev:
             out.append(prev[n])
         return out
@@ -101,7 +108,7 @@ def schedule_order(gm: torch.fx.GraphModule, cap_bytes: int) -> list[torch.fx.No
         issued before the graph that ``n`` reads directly (their buffer is still written)."""
         for a in n.all_input_nodes:
             if is_wait[a]:
-                settle(waited_node(a))
+                settle(root(a))
             elif a in waits and not is_coll[a]:
                 settle(a)
 
