@@ -176,6 +176,28 @@ def test_eliminate_removes_gather_sliced_back(pool4):
     assert pool4.run(_eliminate, {"eliminate": False}) == [1] * 4
 
 
+def _gather_then_other_dims_chunk():
+    """``(R, S(0)) -> (S(0), R)`` on a 2x2 mesh: an all-gather over tp, then the chunk of the
+    dp coordinate. That chunk is the gather's own input only where dp == tp (ranks 0 and 3):
+    an elimination decided per rank would compile fewer collectives there than on ranks 1, 2."""
+    mesh = mesh_of((2, 2))
+    x = vescale.distribute_tensor(torch.randn(8, 6), mesh, [Replicate(), Shard(0)])
+
+    def f(x):
+        return x.redistribute(placements=[Shard(0), Replicate()]) * 2
+
+    torch._dynamo.reset()
+    out = torch.compile(f, backend="vescale", options={"codegen": "fx"})(x)
+    torch.testing.assert_close(out.full_tensor(), x.full_tensor() * 2)
+    assert out.placements == (Shard(0), Replicate())
+    return len(vescale.fx.trace(f, x, backward=False).collectives)
+
+
+def test_elimination_is_decided_alike_on_every_rank(pool4):
+    # the gather stays on every rank: on ranks 1 and 2 the chunk is not their own
+    assert pool4.run(_gather_then_other_dims_chunk) == [1] * 4
+
+
 def _divergent():
     mesh = mesh_of((4,))
     x = vescale.distribute_tensor(torch.randn(8, 6), mesh, [Shard(0)])

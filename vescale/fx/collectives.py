@@ -41,6 +41,7 @@ __all__ = [
     "collective_table",
     "group_name",
     "inflight_inputs",
+    "mesh_dim_of_group",
     "node_bytes",
     "numel_hint",
     "unwaited_outputs",
@@ -127,7 +128,8 @@ def group_name(node: torch.fx.Node) -> str:
     raise ValueError(f"{node.target}: no process group name in {node.args}")
 
 
-def _mesh_dim(group_name: str) -> int | None:
+def mesh_dim_of_group(group_name: str) -> int | None:
+    """The mesh dim whose process group is ``group_name`` (of a mesh vescale knows), or None."""
     for mesh in known_meshes():
         names = getattr(mesh, "_dim_group_names", None) or []
         if group_name in names:
@@ -169,7 +171,7 @@ def collective_table(gm: torch.fx.GraphModule, graph: str) -> list[CollectiveRec
             CollectiveRecord(
                 kind=kind,
                 group_ranks=dist.get_process_group_ranks(resolve_process_group(name)),  # type: ignore[arg-type]
-                mesh_dim=_mesh_dim(name),
+                mesh_dim=mesh_dim_of_group(name),
                 dtype=dtype,
                 bytes=nbytes,
                 bucket=get_bucket(node),

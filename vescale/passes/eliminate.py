@@ -7,8 +7,10 @@
   the same ones.
 * With ``ctx.options.eliminate``: an all-gather whose result is only sliced back to this
   rank's own chunk (dim 0, the gathered dim: ``slice``/``narrow`` or ``split`` + ``getitem``)
-  is the identity on that chunk: the slice is replaced by the all-gather's input (a
-  redistribute ``S -> R -> S``), and the all-gather then goes as unused.
+  at the coordinate of the gather's own mesh dim (a redistribution ``R -> S(0)`` of that dim
+  alone, from the placements recorded at capture: the own chunk on every rank, so every rank
+  decides alike) is the identity on that chunk: the slice is replaced by the all-gather's
+  input (a redistribute ``S -> R -> S``), and the all-gather then goes as unused.
 
 Graph boundaries are left alone: a ``wait_tensor`` on a tensor whose collective was issued
 before the graph is kept even when nothing reads its result (it still completes the
@@ -25,8 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vescale._node_meta import get_placements
 from vescale._torch_compat import resolve_process_group
-from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR, group_name
+from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR, group_name, mesh_dim_of_group
 from vescale.passes.manager import PassContext
 
 __all__ = ["eliminate"]
@@ -80,8 +83,23 @@ def eliminate(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModul
     return gm
 
 
+def _takes_back_over(wait: torch.fx.Node, chunk: torch.fx.Node, dim: int | None) -> bool:
+    """``chunk`` ends a redistribution that changes mesh dim ``dim`` alone, ``R -> S(0)``,
+    of the gathered result ``wait`` (placements recorded at capture): such a chunk is taken at
+    the coordinate of ``dim`` on every rank, as the gather over ``dim`` orders the pieces."""
+    before, after = get_placements(wait), get_placements(chunk)
+    if dim is None or before is None or after is None or len(before) != len(after):
+        return False
+    changed = [i for i, (a, b) in enumerate(zip(before, after)) if a != b]
+    return changed == [dim] and before[dim] == "R" and after[dim] == "S(0)"
+
+
 def _forward_own_chunks(gm: torch.fx.GraphModule) -> None:
-    """Slices of an all-gather back to this rank's own chunk read the all-gather's input."""
+    """Slices of an all-gather back to this rank's own chunk read the all-gather's input,
+    where the chunk is the own one on every rank by construction (:func:`_takes_back_over`):
+    the slice bounds are this rank's traced constants, and a chunk at another mesh dim's
+    coordinate (``(R, S(0)) -> (S(0), R)``) is the own one on some ranks only, which would
+    compile a different program there."""
     for node in list(gm.graph.nodes):
         if node.target is not _c10d.all_gather_into_tensor.default or len(node.users) != 1:
             continue
@@ -91,9 +109,15 @@ def _forward_own_chunks(gm: torch.fx.GraphModule) -> None:
         inp: Any = node.args[0]
         rank = _rank_in_group(node)
         rows = inp.meta["val"].shape[0] if "val" in inp.meta else None
+        dim = mesh_dim_of_group(group_name(node))
         for user in list(wait.users):
             chunk = _own_chunk(user, rank, rows) if rank is not None and rows else None
             val = chunk.meta.get("val") if chunk is not None else None
-            if chunk is not None and val is not None and val.shape == inp.meta["val"].shape:
+            if (
+                chunk is not None
+                and val is not None
+                and val.shape == inp.meta["val"].shape
+                and _takes_back_over(wait, chunk, dim)
+            ):
                 chunk.replace_all_uses_with(inp)
     gm.graph.eliminate_dead_code()  # the slices now unused; waits and collectives stay (impure)
