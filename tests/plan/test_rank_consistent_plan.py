@@ -13,7 +13,13 @@ fewer collectives on the other coordinates."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,10 +28,14 @@ from torch import nn
 from torch.distributed.tensor.placement_types import Partial
 
 import vescale
+from tests.harness import fake_world
 from tests.plan.gpt_cases import train
 from vescale import Replicate, Shard
 from vescale.backend import CompiledGraph, capture_graphs
+from vescale.cost.model import default_cost_model
 from vescale.plan import AlphaBeta
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @functools.cache
@@ -126,3 +136,55 @@ def _check_rank_local_costs_train_as_one() -> None:
 
 def test_rank_local_cost_models_compile_one_program_and_train(pool2):
     pool2.run(_check_rank_local_costs_train_as_one, timeout_s=600)
+
+
+def _gpt_program_of(rank: int) -> list[tuple[str, list[str]]]:
+    """The collective sequences rank ``rank`` of 4 compiles for the plan of docs/plan.md's
+    first sample, deciding alone (the ``fake`` group: no rank hears of another), with a cost
+    model under which the solver gathers over tp what it then chunks over dp."""
+    import gpt
+
+    with fake_world(4, rank):
+        mesh = vescale.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        cfg = gpt.GPTConfig(vocab=64, seq=8, dim=16, heads=2, layers=1)
+        d = default_cost_model(2)
+        costs = dataclasses.replace(
+            d, alpha=(d.alpha[0] / 10, d.alpha[1] * 3), beta=(d.beta[0] / 10, d.beta[1] * 3)
+        )
+        with capture_graphs() as graphs:
+            model = vescale.parallelize(
+                gpt.build(cfg),
+                mesh,
+                {
+                    "blocks.*.attn.[qkv].weight": {"tp": Shard(0)},
+                    "blocks.*.*.proj.weight": {"tp": Shard(1)},
+                    "head.weight": {"tp": Shard(0)},
+                },
+                inputs=[{"dp": Shard(0)}, {"dp": Shard(0)}],
+                example_inputs=gpt.batch(cfg, 0),
+                alpha_beta=costs,
+                options={"codegen": "fx"},
+                progress=False,
+            )
+            model(*gpt.batch(cfg, 1)).backward()
+        return _sequences(graphs)
+
+
+def test_each_rank_alone_compiles_the_same_program():
+    # CI under load: this plan compiled 189 collectives on ranks 0 and 3, 205 on 1 and 2 (an
+    # all-gather over tp sliced at the dp coordinate, the own chunk where dp == tp, was
+    # eliminated there only); every compile-time decision must read rank-independent facts.
+    # One process per rank (a process holds one fake world's groups).
+    code = (
+        "import json, sys; from tests.plan.test_rank_consistent_plan import _gpt_program_of; "
+        "print(json.dumps(_gpt_program_of(int(sys.argv[1]))))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "examples")])}
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(rank)], cwd=ROOT, env=env, stdout=subprocess.PIPE
+        )
+        for rank in (0, 1)
+    ]
+    programs = [json.loads(run.communicate(timeout=300)[0].splitlines()[-1]) for run in runs]
+    assert programs[0] and programs[0] == programs[1]
