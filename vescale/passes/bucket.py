@@ -10,7 +10,9 @@ graph, makes the same buckets and issues them in the same order):
 * walking the graph in order, a candidate joins the open bucket of its key under the one
   bucket rule of eager DDP and this pass (:mod:`vescale.ddp.bucketing`: while the bucket's
   bytes, the largest of input/output bytes of each member, stay within the cap), it does not
-  depend on a member, and it comes before every non-collective use of a member's result;
+  depend on a member, and it comes before every node computing with a member's result
+  (seen through views, which move after the bucket with the result: a parameter gathered
+  and sliced back to its rows before the next one's gather still shares its bucket);
   the merged collective is issued where the last member was (after every wait its members'
   inputs follow, in-flight inputs' included). A collective consuming a member's result
   (e.g. the tensor-parallel all-reduce after the data-parallel one of a ``(Partial,
@@ -33,10 +35,12 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._ops import OpOverload
 
 from vescale._node_meta import get_bucket_cap_mb, set_bucket, set_sources
 from vescale._torch_compat import bucket_merge_fns, stable_topological_sort
@@ -53,6 +57,7 @@ from vescale.passes.manager import PassContext
 __all__ = ["bucket"]
 
 _c10d = torch.ops._c10d_functional
+_FREE = {torch.ops.aten._unsafe_view.default, operator.getitem}  # views by another name
 _BUCKETABLE: dict[Any, str] = {
     _c10d.all_reduce.default: "all_reduce",
     _c10d.all_gather_into_tensor.default: "all_gather",
@@ -93,6 +98,26 @@ def _descendants(node: torch.fx.Node, into: set[torch.fx.Node]) -> None:
                 stack.append(user)
 
 
+def _is_view(node: torch.fx.Node) -> bool:
+    target = node.target
+    return target in _FREE or (isinstance(target, OpOverload) and target.is_view)
+
+
+def _first_compute_use(wait: torch.fx.Node, pos: dict[torch.fx.Node, int]) -> float:
+    """Graph position of the first node computing with ``wait``'s result, seen through views
+    (they move after the bucket with the result, as a collective consuming it does)."""
+    first, stack = math.inf, list(wait.users)
+    while stack:
+        user = stack.pop()
+        if user.target in _BUCKETABLE:
+            continue
+        if _is_view(user):
+            stack.extend(user.users)
+        else:
+            first = min(first, pos[user])
+    return first
+
+
 def select_buckets(gm: torch.fx.GraphModule, cap_mb: float) -> list[list[torch.fx.Node]]:
     """Buckets of two or more collectives (see module docstring; ``cap_mb``: the cap of
     collectives no DDP tagged), in graph order."""
@@ -109,10 +134,7 @@ def select_buckets(gm: torch.fx.GraphModule, cap_mb: float) -> list[list[torch.f
         if cap == 0:
             continue
         key, size = _key(node, cap), _size(node)
-        # a collective consuming the result can move after the bucket; anything else cannot
-        first_use = min(
-            (pos[u] for u in users[0].users if u.target not in _BUCKETABLE), default=math.inf
-        )
+        first_use = _first_compute_use(users[0], pos)
         b = open_buckets.get(key)
         if (
             b is None
