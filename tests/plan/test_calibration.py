@@ -9,6 +9,7 @@ measures again and the quantized constants still give the same plan for a small 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -51,6 +52,10 @@ def test_collectives_are_alpha_plus_beta_times_ring_bytes() -> None:
     step = CommStep("all_reduce", 1, 2, 1000)
     assert MODEL.time(step) == MODEL.comm_s("all_reduce", (1,), 2, 1000)
     assert MODEL.latency(step) == 2e-4
+    # a kind's measured factor scales its wire bytes (gloo: a reduce-scatter ~ an all-reduce)
+    gloo = dataclasses.replace(MODEL, kinds=(("reduce_scatter", 2.0),))
+    assert gloo.comm_s("reduce_scatter", (0,), 4, 1000) == pytest.approx(1e-4 + 1e-9 * 1500)
+    assert gloo.comm_s("all_gather", (0,), 2, 1000) == MODEL.comm_s("all_gather", (0,), 2, 1000)
 
 
 def test_a_bucket_pays_one_latency_per_piece_the_cap_leaves() -> None:
@@ -186,6 +191,7 @@ def test_calibration_is_cached_on_disk_and_equal_on_every_rank(pool2, busy, tmp_
     assert all(r[0] == [first, first] for r in results)  # every rank: the same constants
     assert len(files) == 1 and files[0].startswith("calibration-2-gloo-w2-"), files
     assert all(a > 0 for a in first.alpha) and first.flops_rate > 0 and first.gamma > 0
+    assert [k for k, f in first.kinds if f > 0] == ["reduce_scatter", "all_gather"]
 
 
 def test_recalibrated_constants_give_the_same_plan(pool2, busy, tmp_path) -> None:

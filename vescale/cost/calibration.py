@@ -6,7 +6,9 @@ one-element adds (the per-op overhead), 8 matmuls of 256x256x256 and 8 element-w
 multiplies of 4 MiB, each sample long enough that a shared CPU's time slicing is in it, as
 it is in a training step. Then, after a barrier (so no rank waits for another's compute),
 ``TRIALS`` interleaved rounds of all-reduces of 1 KiB and 4 MiB over each mesh dim's group
-and over the whole mesh (a flattened group, 2+ dims). Each rank takes the median of each
+and over the whole mesh (a flattened group, 2+ dims), and a reduce-scatter and an
+all-gather of 4 MiB over the widest of these groups (each kind's seconds per wire byte as a
+multiple of the all-reduce's there: ``CostModel.kinds``). Each rank takes the median of each
 probe; the ranks agree on the maximum of the medians (one all-reduce), so every rank holds
 identical constants; ``alpha``/``beta`` come from the two sizes (``alpha + beta * wire``),
 and every constant is rounded to a power of ``2 ** (1/4)``
@@ -49,7 +51,7 @@ _MM = 256  # matmul side
 # running, as a training step's ops do (a probe shorter than a slice would not).
 _ADDS = 1000  # one-element adds per sample of the per-op overhead
 _REPEAT = 8  # matmuls / multiplies per sample
-_FORMAT = 3  # of the cache file; a change invalidates every file
+_FORMAT = 4  # of the cache file; a change invalidates every file
 _cache: dict[str, CostModel] = {}
 _by_shape: dict[tuple[tuple[int, ...], str], CostModel] = {}  # for readers off the mesh
 
@@ -112,6 +114,7 @@ def _read(path: Path) -> CostModel | None:
             data["flops_rate"],
             data["op_s"],
             groups,
+            tuple((k, f) for k, f in data["kinds"]),
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None  # absent or unreadable: measure
@@ -126,6 +129,7 @@ def _write(path: Path, model: CostModel) -> None:
         "flops_rate": model.flops_rate,
         "op_s": model.op_s,
         "groups": [[list(d), a, b] for d, a, b in model.groups],
+        "kinds": [[k, f] for k, f in model.kinds],
         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -157,6 +161,10 @@ def _measure(mesh: DeviceMesh) -> CostModel:
     for _, group, _ in groups:
         for buf in bufs:
             probes.append(functools.partial(dist.all_reduce, buf, group=group))
+    _, widest, n = groups[-1]  # the other kinds: the large size over the widest group
+    full, shard = torch.ones(SIZES[1]), torch.ones(SIZES[1] // n)
+    probes.append(functools.partial(dist.reduce_scatter_tensor, shard, full, group=widest))
+    probes.append(functools.partial(dist.all_gather_into_tensor, full, shard, group=widest))
     for probe in probes:  # warm-up
         probe()
     samples: list[list[float]] = [[] for _ in probes]
@@ -180,6 +188,14 @@ def _measure(mesh: DeviceMesh) -> CostModel:
         beta = max((large - small) / (wires[1] - wires[0]), 1e-13)
         fits.append((quantize(max(small - beta * wires[0], 1e-7)), quantize(beta)))
     per_dim = fits[: mesh.ndim]
+    alpha, beta = fits[-1]
+    factors = []
+    for kind, seconds, nbytes in (
+        ("reduce_scatter", t[-2], SIZES[1] * 4),
+        ("all_gather", t[-1], SIZES[1] // n * 4),
+    ):
+        factor = max(seconds - alpha, 1e-9) / (beta * wire_bytes(kind, n, nbytes))
+        factors.append((kind, quantize(factor)))
     return CostModel(
         tuple(a for a, _ in per_dim),
         tuple(b for _, b in per_dim),
@@ -187,6 +203,7 @@ def _measure(mesh: DeviceMesh) -> CostModel:
         quantize(flops_rate),
         quantize(op_s),
         tuple((dims, a, b) for (dims, _, _), (a, b) in zip(groups[mesh.ndim :], fits[mesh.ndim :])),
+        tuple(factors),
     )
 
 

@@ -6,8 +6,8 @@ bytes the op reads and writes at the calibrated memory rate, whichever is slower
 per-op launch overhead. ``flops_rate=inf`` prices every op by its bytes.
 
 Collectives (alpha-beta): over a process group of ``n`` ranks whose input holds ``B`` bytes
-per rank, ``alpha + beta * wire(kind, n, B)`` with the bytes a ring moves per rank
-(:func:`wire_bytes`). ``alpha``/``beta`` are per mesh dim, and per flattened group of several
+per rank, ``alpha + beta * f(kind) * wire(kind, n, B)`` with the bytes a ring moves per rank
+(:func:`wire_bytes`) and ``f`` the kind's measured factor (``CostModel.kinds``). ``alpha``/``beta`` are per mesh dim, and per flattened group of several
 mesh dims (``groups``, keyed by the sorted dims) where calibrated; an uncalibrated flattened
 group at the largest ``alpha`` and ``beta`` of its dims. Buckets
 (:meth:`CostModel.bucket_s`): the members the ``bucket`` pass merges pay one ``alpha`` per
@@ -99,7 +99,10 @@ def quantize(x: float, steps_per_octave: int = 4) -> float:
 class CostModel:
     """Per mesh dim latency ``alpha`` (s) and inverse bandwidth ``beta`` (s/byte); ``gamma``
     (s per byte of memory traffic), ``flops_rate`` (FLOP/s of matrix products), ``op_s``
-    (launch overhead per op, s); ``groups``: ``(dims, alpha, beta)`` of flattened groups."""
+    (launch overhead per op, s); ``groups``: ``(dims, alpha, beta)`` of flattened groups;
+    ``kinds``: ``(kind, factor)``: a kind's seconds per wire byte as a multiple of the
+    all-reduce's ``beta`` (the backend's implementation: gloo's reduce-scatter costs about
+    an all-reduce, not the half its ring wire says); 1 for a kind not listed."""
 
     alpha: tuple[float, ...]
     beta: tuple[float, ...]
@@ -107,19 +110,21 @@ class CostModel:
     flops_rate: float = math.inf
     op_s: float = 0.0
     groups: tuple[tuple[tuple[int, ...], float, float], ...] = field(default=())
+    kinds: tuple[tuple[str, float], ...] = field(default=())
 
     def comm_s(self, kind: str, dims: Sequence[int], n: int, nbytes: float) -> float:
         """Seconds of one collective over the group of ``dims`` (``n`` ranks)."""
         dims = tuple(sorted(dims))
+        wire = wire_bytes(kind, n, nbytes) * dict(self.kinds).get(kind, 1.0)
         if len(dims) == 1:
             d = dims[0]
-            return self.alpha[d] + self.beta[d] * wire_bytes(kind, n, nbytes)
+            return self.alpha[d] + self.beta[d] * wire
         for gdims, a, b in self.groups:
             if gdims == dims:
-                return a + b * wire_bytes(kind, n, nbytes)
+                return a + b * wire
         # not calibrated: at the largest latency and inverse bandwidth of its dims
         alpha, beta = max(self.alpha[d] for d in dims), max(self.beta[d] for d in dims)
-        return alpha + beta * wire_bytes(kind, n, nbytes)
+        return alpha + beta * wire
 
     def time(self, step: CommStep) -> float:
         """Seconds of ``step`` alone (its own latency)."""
