@@ -94,7 +94,7 @@ PROGRAMS = {
     "DDP-4": Program(REP, DP4, "greedy"),
     "FSDP-4": Program({"*": (S0, S0)}, DP4, "greedy"),
     "DP-2, tp replicated": Program(REP, DP, "greedy"),
-    "replicated, no comm": Program(REP, (R, R), "greedy"),
+    "replicated parameters and batch": Program(REP, (R, R), "greedy"),  # greedy splits the batch
     "Megatron": Program({**TP, "*": (R, R)}, DP, "greedy"),
     "Megatron+SP": Program({**TP, "*": (R, R)}, SEQ, "greedy"),
     "2-D FSDPxTP": Program(FSDP_TP, DP, "greedy"),
@@ -207,6 +207,7 @@ def main() -> None:
             f"{[round(a * 1e6, 1) for a in cost.alpha]}, beta (ns/B) "
             f"{[round(b * 1e9, 3) for b in cost.beta]}, groups "
             f"{[(d, round(a * 1e6, 1), round(b * 1e9, 3)) for d, a, b in cost.groups]}, "
+            f"kinds {[(k, round(f, 2)) for k, f in cost.kinds]}, "
             f"gamma {cost.gamma * 1e9:.4f} ns/B, matmul {cost.flops_rate / 1e9:.2f} GFLOP/s, "
             f"op {cost.op_s * 1e6:.1f} us",
             flush=True,

@@ -28,7 +28,7 @@ from vescale.cost import CommStep, CostModel
 from vescale.cost.model import bucket_sizes, quantize
 from vescale.fx.timeline import estimate_us
 from vescale.passes.bucket import select_buckets
-from vescale.plan.cost import strategy_compute_s
+from vescale.plan.cost import bucket_copy_s, strategy_compute_s
 
 c10d = torch.ops._c10d_functional
 MODEL = CostModel(
@@ -66,6 +66,15 @@ def test_a_bucket_pays_one_latency_per_piece_the_cap_leaves() -> None:
     # an all-gather counts its output (the larger) against the cap, as the pass does
     gathers = [CommStep("all_gather", 0, 2, 1000)] * 2
     assert MODEL.bucket_s(gathers, 3000) == pytest.approx(2 * 1e-4 + 1e-9 * 2000)
+
+
+def test_a_bucket_member_pays_its_packing_copies() -> None:
+    # read + write at gamma: the input packed; an all-gather's also copied into its output
+    # slice and its result (n x the input) copied out of the interleaved buffer
+    g = MODEL.gamma
+    assert bucket_copy_s(MODEL, CommStep("all_reduce", 0, 4, 1000)) == pytest.approx(2000 * g)
+    assert bucket_copy_s(MODEL, CommStep("reduce_scatter", 0, 4, 1000)) == pytest.approx(2000 * g)
+    assert bucket_copy_s(MODEL, CommStep("all_gather", 0, 4, 1000)) == pytest.approx(12000 * g)
 
 
 def _all_reduces(*xs: torch.Tensor) -> list[torch.Tensor]:

@@ -39,6 +39,7 @@ from vescale.cost.model import (
 __all__ = [
     "AlphaBeta",
     "CommStep",
+    "bucket_copy_s",
     "bucketed_step",
     "calibrate",
     "default_alpha_beta",
@@ -194,6 +195,18 @@ def step_time(ab: AlphaBeta, step: CommStep) -> float:
     """Seconds of ``step``: :meth:`vescale.cost.CostModel.time` (a :class:`FlatStep` at its
     flattened group's calibrated constants, else its mesh dims' largest)."""
     return ab.time(step)
+
+
+def bucket_copy_s(ab: AlphaBeta, step: CommStep) -> float:
+    """Seconds of the local copies the ``bucket`` pass adds around ``step`` as a bucket
+    member, each byte read and written at ``gamma``: its input concatenated into the
+    bucket's buffer; an all-gather's also copied into its slice of the output and its
+    result copied out of the interleaved buffer (an all-reduce's or a reduce-scatter's
+    result is a view of the buffer)."""
+    copied = step.bytes
+    if step.kind == "all_gather":
+        copied += step.bytes + step.bytes * step.group_size
+    return 2 * copied * ab.gamma
 
 
 def flat_bucketed_step(

@@ -20,6 +20,7 @@ from vescale.plan.capture import JointGraph
 from vescale.plan.cost import (
     AlphaBeta,
     CommStep,
+    bucket_copy_s,
     bucketed_step,
     flat_bucketed_step,
     flattened_steps,
@@ -237,7 +238,11 @@ def place(
             return {}
         return {(step.kind, group_of(step)): alpha_beta.latency(step) * 1e6}
 
-    problem = Problem(table, demands, cost, compute, pair_costs, latency, memory)
+    def packing(bucket: str, value: Value, a: Placements, b: Placements) -> float:
+        step = _bucketed_step(mesh, bucket, value, a, b, flat)
+        return 0.0 if step is None else bucket_copy_s(alpha_beta, step) * 1e6
+
+    problem = Problem(table, demands, cost, compute, pair_costs, latency, memory, packing)
     solve = solve_global if solver == "global" else solve_greedy
     solution = solve_once(solve, problem, solving_group(mesh))  # rank 0's, when it spans the world
     check_budget(memory, solution.chosen)  # every rank holds the same choice: the same error

@@ -88,6 +88,9 @@ class Problem:
     latency: Callable[[str, Value, Placements, Placements], dict[Any, float]] | None = None
     # bytes per rank of each node's strategies and the budget (one row ``<= budget``)
     memory: Memory | None = None
+    # for a demand with a ``bucket``: us of the local copies its merged collective adds to
+    # the pair (packing into the bucket's buffer, unpacking a gathered result), per pair
+    packing: Callable[[str, Value, Placements, Placements], float] | None = None
 
     def fits(self, chosen: dict[torch.fx.Node, int]) -> bool:
         """Whether ``chosen`` holds no more than the memory budget (if any)."""
@@ -101,6 +104,13 @@ class Problem:
             return {}
         shared = self.latency(demand.bucket, demand.value, a, b)
         return {(demand.bucket, k): us for k, us in shared.items()}
+
+    def demand_cost(self, demand: Demand, a: Placements, b: Placements) -> float | None:
+        """``cost`` of the pair ``a -> b`` of ``demand``, its bucket's packing included."""
+        c = self.cost(demand.value, a, b)
+        if c is None or demand.bucket is None or self.packing is None:
+            return c
+        return c + self.packing(demand.bucket, demand.value, a, b)
 
     def costs(self, value: Value, srcs: list[Placements], dsts: list[Placements]) -> np.ndarray:
         if self.pair_costs is not None:
@@ -159,7 +169,7 @@ def objective(problem: Problem, chosen: dict[torch.fx.Node, int]) -> float:
         producer, k = demand.value
         a = problem.table[producer].outputs[chosen[producer]][0 if k is None else k]
         b = _required(demand, chosen)
-        c = problem.cost(demand.value, a, b) if a is not None and b is not None else None
+        c = problem.demand_cost(demand, a, b) if a is not None and b is not None else None
         if c is not None and a is not None and b is not None:
             shared = problem.shared(demand, a, b)
             c -= sum(shared.values())
@@ -191,7 +201,10 @@ def _edges(problem: Problem, upper: float) -> list[_Edge]:
         cost[cost > upper] = np.inf  # dearer pairs are in no solution better than greedy's
         shared = {}
         srcs = list(groups)
-        for i, j in zip(*np.nonzero(np.isfinite(cost))) if demand.bucket is not None else ():
+        bucket = demand.bucket
+        for i, j in zip(*np.nonzero(np.isfinite(cost))) if bucket is not None else ():
+            if bucket is not None and problem.packing is not None:
+                cost[i, j] += problem.packing(bucket, demand.value, srcs[i], dsts[j])
             latency = problem.shared(demand, srcs[i], dsts[j])
             if latency:
                 shared[(int(i), int(j))] = latency
@@ -465,7 +478,7 @@ def _greedy(problem: Problem, lean: bool) -> Solution:
                 producer, k = demand.value
                 a = problem.table[producer].outputs[chosen[producer]][0 if k is None else k]
                 b = next((b for b, _, strategies in demand.options if s in strategies), None)
-                c = problem.cost(demand.value, a, b) if a is not None and b is not None else None
+                c = problem.demand_cost(demand, a, b) if a is not None and b is not None else None
                 total += float("inf") if c is None else c
             if total < best_cost:
                 best, best_cost = s, total
