@@ -18,6 +18,7 @@ from vescale.dtensor.dispatch import explicit_redistribute
 from vescale.plan.program import PlacedProgram
 from vescale.plan.propagate import Placements
 
+_VIEW, _CLONE = torch.ops.aten.view.default, torch.ops.aten.clone.default
 __all__ = ["run_program", "to_placements"]
 
 
@@ -142,7 +143,15 @@ def _run_node(
 
     args = tuple(arg(a) for a in node.args)
     kwargs = {k: arg(v) for k, v in node.kwargs.items()}
-    out = node.target(*args, **kwargs)  # type: ignore[operator]
+    try:
+        out = node.target(*args, **kwargs)  # type: ignore[operator]
+    except (RuntimeError, ValueError):
+        if node.target is not _VIEW or not isinstance(args[0], _UpstreamDTensor):
+            raise
+        # a local layout the chosen placements changed (a kernel's transposed output made
+        # contiguous by a redistribution) may not view as traced: viewed from a contiguous
+        # copy, as reshape would (the DTensor's own strides still say it views)
+        out = _VIEW(_CLONE(args[0], memory_format=torch.contiguous_format), *args[1:])
     expected = ns.outputs[program.chosen[node]]
     if isinstance(out, tuple | list):
         return type(out)(
