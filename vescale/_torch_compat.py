@@ -45,6 +45,9 @@ from torch.distributed.tensor._ops.utils import (
     register_op_strategy as upstream_register_op_strategy,
 )
 from torch.distributed.tensor._redistribute import (
+    _gen_transform_infos as gen_transform_infos,
+)
+from torch.distributed.tensor._redistribute import (
     redistribute_local_tensor as upstream_redistribute_local_tensor,
 )
 from torch.distributed.tensor._sharding_prop import LocalLRUCache
@@ -99,6 +102,7 @@ __all__ = [
     "expand_to_full_mesh_op_strategy",
     "export_tracing_state",
     "from_functional_tensor",
+    "gen_transform_infos",
     "get_proxy_mode",
     "get_proxy_slot",
     "inductor_pieces",

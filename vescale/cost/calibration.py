@@ -6,9 +6,9 @@ one-element adds (the per-op overhead), 8 matmuls of 256x256x256 and 8 element-w
 multiplies of 4 MiB, each sample long enough that a shared CPU's time slicing is in it, as
 it is in a training step. Then, after a barrier (so no rank waits for another's compute),
 ``TRIALS`` interleaved rounds of all-reduces of 1 KiB and 4 MiB over each mesh dim's group
-and over the whole mesh (a flattened group, 2+ dims), and reduce-scatters and all-gathers of
-the same sizes over the widest of these groups (each kind's seconds per wire byte, fitted
-from its two sizes, as a multiple of the all-reduce's there: ``CostModel.kinds``). Each rank takes the median of each
+and over the whole mesh (a flattened group, 2+ dims), and a reduce-scatter and an all-gather
+of 4 MiB over the widest of these groups (each kind's seconds per wire byte over the 4 MiB
+all-reduce's there, timed in the same rounds, rounded to a power of 2: ``CostModel.kinds``). Each rank takes the median of each
 probe; the ranks agree on the maximum of the medians (one all-reduce), so every rank holds
 identical constants; ``alpha``/``beta`` come from the two sizes (``alpha + beta * wire``),
 and every constant is rounded to a power of ``2 ** (1/4)``
@@ -161,11 +161,10 @@ def _measure(mesh: DeviceMesh) -> CostModel:
     for _, group, _ in groups:
         for buf in bufs:
             probes.append(functools.partial(dist.all_reduce, buf, group=group))
-    _, widest, n = groups[-1]  # the other kinds at both sizes over the widest group
-    for size in SIZES:
-        full, shard = torch.ones(size), torch.ones(size // n)
-        probes.append(functools.partial(dist.reduce_scatter_tensor, shard, full, group=widest))
-        probes.append(functools.partial(dist.all_gather_single, full, shard, group=widest))
+    _, widest, n = groups[-1]  # the other kinds: the large size over the widest group
+    full, shard = torch.ones(SIZES[1]), torch.ones(SIZES[1] // n)
+    probes.append(functools.partial(dist.reduce_scatter_tensor, shard, full, group=widest))
+    probes.append(functools.partial(dist.all_gather_single, full, shard, group=widest))
     for probe in probes:  # warm-up
         probe()
     samples: list[list[float]] = [[] for _ in probes]
@@ -189,13 +188,17 @@ def _measure(mesh: DeviceMesh) -> CostModel:
         beta = max((large - small) / (wires[1] - wires[0]), 1e-13)
         fits.append((quantize(max(small - beta * wires[0], 1e-7)), quantize(beta)))
     per_dim = fits[: mesh.ndim]
-    beta = fits[-1][1]
-    factors = []  # each kind's own beta (from its two sizes) over the all-reduce's
-    for k, (kind, per_rank) in enumerate((("reduce_scatter", 1), ("all_gather", n))):
-        small, large = t[-4 + k], t[-2 + k]
-        wires = [wire_bytes(kind, n, s // per_rank * 4) for s in SIZES]
-        own = max((large - small) / (wires[1] - wires[0]), 1e-13)
-        factors.append((kind, quantize(own / beta)))
+    # each kind's time per wire byte over the all-reduce's, both at the large size over the
+    # widest group, timed in the same rounds: a ratio, steady under a load that slows both
+    reduce_s = t[-3]  # the widest group's large all-reduce (its probes precede these two)
+    per_byte = reduce_s / wire_bytes("all_reduce", n, SIZES[1] * 4)
+    factors = []
+    for kind, seconds, nbytes in (
+        ("reduce_scatter", t[-2], SIZES[1] * 4),
+        ("all_gather", t[-1], SIZES[1] // n * 4),
+    ):
+        ratio = seconds / wire_bytes(kind, n, nbytes) / per_byte
+        factors.append((kind, quantize(ratio, steps_per_octave=1)))  # a power of 2
     return CostModel(
         tuple(a for a, _ in per_dim),
         tuple(b for _, b in per_dim),

@@ -18,6 +18,7 @@ on all of it, so no gradient needs reducing).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from vescale._torch_compat import StridedShard
+from vescale._torch_compat import DTensorSpec, StridedShard, TensorMeta, gen_transform_infos
 from vescale.cost.calibration import calibrate
 from vescale.cost.model import (
     CommStep,
@@ -35,6 +36,7 @@ from vescale.cost.model import (
     op_flops,
     tensor_args,
 )
+from vescale.dtensor.device_mesh import DeviceMesh
 
 __all__ = [
     "AlphaBeta",
@@ -81,33 +83,55 @@ def redistribution_steps(
     mesh_shape: tuple[int, ...],
 ) -> list[CommStep] | None:
     """The collectives turning ``src`` into ``dst`` (``None``: not possible, e.g. Partial of
-    another reduce op). Mesh dims leaving a Shard or Partial go first (last mesh dim first),
-    then the rest; local slices and ``Replicate -> Partial`` cost nothing."""
-    cur = list(src)
+    another reduce op), in the order and sizes eager issues them: upstream's transform plan
+    (:func:`gen_transform_infos`, which the eager layer runs), one step per mesh dim that
+    changes. ``Shard -> Replicate / Shard / Partial``: an all-gather of the local chunk (gloo
+    has no all-to-all: the eager layer gathers and slices); ``Partial -> Replicate``: an
+    all-reduce, ``-> Shard``: a reduce-scatter; from ``Replicate``: a local slice, free."""
+    if any(isinstance(a, Partial) and isinstance(b, Partial) and a != b for a, b in zip(src, dst)):
+        return None
+    infos = _transform_infos(tuple(src), tuple(dst), shape, mesh_shape)
+    if infos is None:
+        return None
     steps: list[CommStep] = []
-
-    def held() -> int:
-        return local_bytes(tuple(cur), shape, itemsize, mesh_shape)
-
-    order = sorted(range(len(cur)), key=lambda i: (dst[i].is_shard() or dst[i].is_partial(), -i))
-    for i in order:
-        a, b = cur[i], dst[i]
-        if a == b:
-            continue
+    cur = list(src)
+    for i, (a, b), _ in infos:  # each collective's input: this rank's local tensor then
         n = mesh_shape[i]
-        kind: str | None
-        if isinstance(a, Partial):
-            if isinstance(b, Partial):
-                return None
-            kind = "all_reduce" if isinstance(b, Replicate) else "reduce_scatter"
-        elif _is_shard(a):  # to Replicate, another dim (all-gather, then a local slice: what
-            kind = "all_gather"  # the eager layer issues on gloo), or Partial through Replicate
-        else:  # Replicate -> Shard (slice) or Partial (zeros elsewhere): local
-            kind = None
-        if kind is not None and n > 1:
-            steps.append(CommStep(kind, i, n, held()))
+        if not isinstance(a, Replicate) and n > 1:
+            held = local_bytes(tuple(cur), shape, itemsize, mesh_shape)
+            kind = "all_gather"
+            if isinstance(a, Partial):
+                kind = "all_reduce" if isinstance(b, Replicate) else "reduce_scatter"
+            steps.append(CommStep(kind, i, n, held))
         cur[i] = b
     return steps
+
+
+@functools.lru_cache(maxsize=65536)
+def _transform_infos(
+    src: Placements, dst: Placements, shape: tuple[int, ...], mesh_shape: tuple[int, ...]
+) -> list[tuple[int, tuple[Placement, Placement], tuple[int, ...]]] | None:
+    mesh = _meta_mesh(mesh_shape)
+    stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
+    meta = TensorMeta(torch.Size(shape), stride, torch.float32)
+    try:
+        infos = gen_transform_infos(DTensorSpec(mesh, src, meta), DTensorSpec(mesh, dst, meta))
+    except (AssertionError, NotImplementedError, RuntimeError, ValueError):
+        return None
+    return [
+        (
+            t.mesh_dim,
+            (t.src_dst_placements[0], t.src_dst_placements[1]),
+            tuple(map(int, t.logical_shape)),
+        )
+        for t in infos
+    ]
+
+
+@functools.cache
+def _meta_mesh(mesh_shape: tuple[int, ...]) -> DeviceMesh:
+    """A mesh of ``mesh_shape`` on the meta device: upstream's planner reads only its shape."""
+    return DeviceMesh("meta", torch.arange(math.prod(mesh_shape)).reshape(mesh_shape))
 
 
 def bucketed_step(
