@@ -51,7 +51,7 @@ _MM = 256  # matmul side
 # running, as a training step's ops do (a probe shorter than a slice would not).
 _ADDS = 1000  # one-element adds per sample of the per-op overhead
 _REPEAT = 8  # matmuls / multiplies per sample
-_FORMAT = 4  # of the cache file; a change invalidates every file
+_FORMAT = 5  # of the cache file; a change invalidates every file
 _cache: dict[str, CostModel] = {}
 _by_shape: dict[tuple[tuple[int, ...], str], CostModel] = {}  # for readers off the mesh
 
