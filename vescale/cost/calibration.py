@@ -163,7 +163,7 @@ def _measure(mesh: DeviceMesh) -> CostModel:
             probes.append(functools.partial(dist.all_reduce, buf, group=group))
     _, widest, n = groups[-1]  # the other kinds: the large size over the widest group
     full, shard = torch.ones(SIZES[1]), torch.ones(SIZES[1] // n)
-    probes.append(functools.partial(dist.reduce_scatter_tensor, shard, full, group=widest))
+    probes.append(functools.partial(dist.reduce_scatter_single, shard, full, group=widest))
     probes.append(functools.partial(dist.all_gather_single, full, shard, group=widest))
     for probe in probes:  # warm-up
         probe()

@@ -21,6 +21,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from vescale._torch_compat import (
     DTensorSpec,
+    MaskPartial,
     OpSpec,
     OpStrategy,
     TensorMeta,
@@ -150,7 +151,9 @@ def _registry_strategies(
         out = _specs(s.output_specs)
         in_specs = s.input_specs if s.input_specs is not None else [s.output_spec] * len(inputs)
         inp = tuple(tuple(spec.placements) for spec in in_specs)
-        if len(inp) != len(inputs):
+        if len(inp) != len(inputs) or any(isinstance(p, MaskPartial) for ps in inp for p in ps):
+            # upstream's vocab-parallel embedding masks its indices in their redistribution to
+            # _MaskPartial; vescale's embedding handler, which runs instead, takes none such
             continue
         shapes_ok = all(
             p is None or not isinstance(v, torch.Tensor) or _nonempty(p, v.shape, mesh)
