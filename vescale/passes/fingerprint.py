@@ -27,17 +27,10 @@ import torch.distributed as dist
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from vescale._node_meta import get_collective
-from vescale._torch_compat import disable_current_modes
 from vescale.fx.collectives import inflight_inputs, user_source
 from vescale.passes.manager import PassContext
 
-__all__ = [
-    "RankDivergenceError",
-    "check_rank_consistency",
-    "fingerprint",
-    "from_local_calls",
-    "held_by_every_rank",
-]
+__all__ = ["RankDivergenceError", "check_rank_consistency", "fingerprint", "from_local_calls"]
 
 FROM_LOCAL = "from_local"
 
@@ -146,30 +139,12 @@ _UNEVEN = (
 )
 
 
-def _ranks_compile_together() -> bool:
-    """A real multi-rank default group (not one process, not the ``fake`` group)."""
-    return dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
-
-
-def held_by_every_rank(items: set[str]) -> set[str]:
-    """The ``items`` every rank of the default group holds, for a decision that reads
-    rank-local constants of the graph: all-gathered (a collective: every rank compiles the
-    same graph, as :func:`check_rank_consistency` assumes), so every rank decides alike.
-    ``items`` itself without a real multi-rank group."""
-    if not _ranks_compile_together():
-        return items
-    everyone: list[set[str]] = [items] * dist.get_world_size()
-    with disable_current_modes():  # passes run under the capture's fake mode
-        dist.all_gather_object(everyone, items)
-    return set.intersection(*everyone)
-
-
 def check_rank_consistency(graph_name: str, sequence: list[str]) -> None:
     """All-gather (graph name, sequence) over the default group and raise
     :class:`RankDivergenceError` on every rank if any rank differs. ``sequence``: the graph's
     ``from_local`` calls (:func:`from_local_calls`) then its fingerprint. Skipped without a
     real multi-rank default group (single process, the ``fake`` group)."""
-    if not _ranks_compile_together():
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return
     digest = hashlib.sha256("\n".join(map(_key, sequence)).encode()).hexdigest()
     mine = (graph_name, digest, sequence)

@@ -95,7 +95,7 @@ def redistribution_steps(
         return None
     steps: list[CommStep] = []
     cur = list(src)
-    for i, (a, b), _ in infos:  # each collective's input: this rank's local tensor then
+    for i, (a, b) in infos:  # each collective's input: this rank's local tensor then
         n = mesh_shape[i]
         if not isinstance(a, Replicate) and n > 1:
             held = local_bytes(tuple(cur), shape, itemsize, mesh_shape)
@@ -110,7 +110,7 @@ def redistribution_steps(
 @functools.lru_cache(maxsize=65536)
 def _transform_infos(
     src: Placements, dst: Placements, shape: tuple[int, ...], mesh_shape: tuple[int, ...]
-) -> list[tuple[int, tuple[Placement, Placement], tuple[int, ...]]] | None:
+) -> list[tuple[int, tuple[Placement, Placement]]] | None:
     mesh = _meta_mesh(mesh_shape)
     stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
     meta = TensorMeta(torch.Size(shape), stride, torch.float32)
@@ -118,14 +118,7 @@ def _transform_infos(
         infos = gen_transform_infos(DTensorSpec(mesh, src, meta), DTensorSpec(mesh, dst, meta))
     except (AssertionError, NotImplementedError, RuntimeError, ValueError):
         return None
-    return [
-        (
-            t.mesh_dim,
-            (t.src_dst_placements[0], t.src_dst_placements[1]),
-            tuple(map(int, t.logical_shape)),
-        )
-        for t in infos
-    ]
+    return [(t.mesh_dim, (t.src_dst_placements[0], t.src_dst_placements[1])) for t in infos]
 
 
 @functools.cache
