@@ -92,14 +92,16 @@ def test_empty_plan_free_batch_is_ddp_over_both_mesh_dims(pool4):
     for out in pool4.run(_check_ddp, timeout_s=900):
         rep = (Replicate(), Replicate())
         assert out["placements"] == {rep}, out["placements"]
-        assert out["inputs"] == [(vescale.Shard(0), vescale.Shard(0))] * 2, out["inputs"]
+        # the tokens split (the rest of the split is a local slice, free), the targets whole:
+        # every rank is given them, so the loss counts its global token count locally
+        assert out["inputs"][0][0] == vescale.Shard(0), out["inputs"]
+        assert out["inputs"][1] == rep, out["inputs"]
         assert out["recipe"] == "DDP over dp+tp", out["recipe"]
         # the step: one all-reduce over the four ranks holding every gradient and the loss
-        # value (one float32), and the two scalar all-reduces of the loss's token count
-        # (vescale's nll_loss handler, over dp and over tp); nothing else
-        *scalars, bucket = sorted(out["collectives"], key=lambda c: c[2])
-        assert bucket == ("all_reduce", (0, 1, 2, 3), out["param_bytes"] + 4), bucket
-        assert [(k, len(g), b) for k, g, b in scalars] == [("all_reduce", 2, 4)] * 2, scalars
+        # value (one float32); nothing else (upstream DDP's one bucket)
+        assert out["collectives"] == [
+            ("all_reduce", (0, 1, 2, 3), out["param_bytes"] + 4)
+        ], out["collectives"]
 
 
 def _check_budget(budget: int) -> dict:
@@ -119,13 +121,15 @@ def test_budget_below_replicated_parameters_shards_them(pool4):
     import gpt
 
     # replicated parameters and their gradients alone (SGD: no state) would fill the budget
-    budget = 2 * _param_bytes(gpt.build(_cfg(1024)))
+    replicated = _param_bytes(gpt.build(_cfg(1024)))
+    budget = 2 * replicated
     for out in pool4.run(_check_budget, budget, timeout_s=900):
-        replicated = [n for n, p in out["placements"].items() if all(q.is_replicate() for q in p)]
-        assert not replicated, replicated
+        # sharded enough to fit: small parameters may stay replicated where the rest fits
+        assert out["local_param_bytes"] < replicated, (out["placements"], out["summary"])
         assert out["memory"]["parameters"] == out["local_param_bytes"], out["memory"]
         assert out["memory"]["total"] <= budget, (out["memory"], budget)
-        assert out["recipe"].startswith("FSDP"), out["summary"]
+        # not the free choice (DDP over dp+tp); FSDP or TP, whichever the costs prefer
+        assert out["recipe"].startswith(("FSDP", "DDP (", "TP")), out["summary"]
         assert f"budget {budget / 2**20:.2f} MiB" in out["summary"], out["summary"]
 
 

@@ -13,10 +13,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor as _UpstreamDTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from vescale import _progress
+from vescale.dtensor import DTensor
 from vescale.dtensor.deferred_init import materialize_module
+from vescale.dtensor.dtensor import new_dtensor
 from vescale.passes.options import BackendOptions
 from vescale.plan.batch import Batch, batch_choices
 from vescale.plan.capture import capture_joint
@@ -35,18 +38,25 @@ PlanValue = Sequence[Placement] | Mapping[str, Placement]
 
 
 class _AttachGrads(torch.autograd.Function):
-    """The loss, whose backward hands the joint graph's gradients to the parameters."""
+    """The loss, whose backward hands the joint graph's gradients (this rank's shards) to the
+    parameters as DTensors laid out as the parameters (``specs``), scaled by the loss's
+    gradient (1 for ``loss.backward()``)."""
 
     @staticmethod
-    def forward(ctx: Any, loss: torch.Tensor, *params_and_grads: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any, loss: torch.Tensor, specs: list[Any], *params_and_grads: torch.Tensor
+    ) -> torch.Tensor:
         n = len(params_and_grads) // 2
-        ctx.grads = params_and_grads[n:]
+        ctx.grads, ctx.specs = params_and_grads[n:], specs
         return loss.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         n = len(ctx.grads)
-        return (None, *(g * grad for g in ctx.grads), *((None,) * n))
+        g = grad.full_tensor() if isinstance(grad, _UpstreamDTensor) else grad
+        scaled = torch._foreach_mul(list(ctx.grads), g)
+        wrapped = (new_dtensor(t, s, requires_grad=False) for t, s in zip(scaled, ctx.specs))
+        return (None, None, *wrapped, *((None,) * n))
 
 
 class PlannedModule(nn.Module):
@@ -78,6 +88,7 @@ class PlannedModule(nn.Module):
         self._options = options
         self._progress = progress
         self._step: Any = None
+        self._out_specs: list[Any] = []  # the outputs' layouts, recorded when the step is traced
 
     def explain(self) -> Explanation:
         """What was chosen and why (:func:`vescale.plan.explain`)."""
@@ -89,12 +100,25 @@ class PlannedModule(nn.Module):
         joint = self.program.joint
         return [params[n] for n in joint.param_names] + [buffers[n] for n in joint.buffer_names]
 
-    def _compiled(self, flat: list[torch.Tensor]) -> Any:
+    def _compiled(self, specs: list[Any], flat: list[torch.Tensor]) -> Any:
+        """The placed step on local tensors (``flat``: this rank's shards laid out as
+        ``specs``), returning local tensors: no DTensor crosses the compiled region, so a
+        step pays no subclass wrapping of its parameters and gradients. The outputs' layouts
+        are kept in ``self._out_specs``."""
         if self._step is None:
             program = self.program
+            out_specs = self._out_specs
 
-            def placed_joint_step(*args: Any) -> tuple[Any, ...]:
-                return run_program(program, *args)
+            def placed_joint_step(*local: torch.Tensor) -> tuple[Any, ...]:
+                args = [
+                    DTensor.from_local(
+                        t, s.mesh, s.placements, run_check=False, shape=s.shape, stride=s.stride
+                    )
+                    for t, s in zip(local, specs)
+                ]
+                outs = run_program(program, *args)
+                out_specs[:] = [o._spec if isinstance(o, _UpstreamDTensor) else None for o in outs]
+                return tuple(o.to_local() if isinstance(o, _UpstreamDTensor) else o for o in outs)
 
             if not self._compile:
                 self._step = placed_joint_step
@@ -148,16 +172,20 @@ class PlannedModule(nn.Module):
                 f"vescale.parallelize: expected {len(self.input_placements)} inputs, got {len(args)}"
             )
         self._check_inputs(args)
-        state = self._flat_state()
+        state: list[Any] = self._flat_state()  # DTensors
         dargs = [to_placements(a, self.program, p) for a, p in zip(args, self.input_placements)]
-        flat = [t.detach() for t in state] + dargs
-        outs = self._compiled(flat)(*flat)
+        specs = [t._spec for t in state] + [d._spec for d in dargs]
+        flat = [t._local_tensor.detach() for t in state] + [d._local_tensor for d in dargs]
+        outs = self._compiled(specs, flat)(*flat)
+        spec = self._out_specs[0]
+        out = outs[0] if spec is None else new_dtensor(outs[0], spec, requires_grad=False)
         joint = self.program.joint
         if not joint.grad_of:
-            return outs[0]
+            return out
         params = dict(self.module.named_parameters())
-        with_grad = [params[joint.grad_of[i]] for i in sorted(joint.grad_of)]
-        return _AttachGrads.apply(outs[0], *with_grad, *outs[1:])
+        with_grad: list[Any] = [params[joint.grad_of[i]] for i in sorted(joint.grad_of)]
+        grad_specs = [p._spec for p in with_grad]
+        return _AttachGrads.apply(out, grad_specs, *with_grad, *outs[1 : 1 + len(with_grad)])
 
 
 def parallelize(

@@ -16,6 +16,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from vescale import _progress
 from vescale._torch_compat import pytree
 from vescale.dtensor.flat_groups import flatten_mesh_dims, flattened_mesh
+from vescale.dtensor.op_args import bind
 from vescale.plan.capture import JointGraph
 from vescale.plan.cost import (
     AlphaBeta,
@@ -167,6 +168,7 @@ def place(
     the smallest budget that fits when none does."""
     start = time.perf_counter()
     flat = flattens(mesh)
+    fixed = _whole_targets(joint, fixed, mesh)
     with _progress.stage("propagate") as shown:
         table = propagate(joint.gm, mesh, fixed)
         shown.detail = f"{len(table)} nodes"
@@ -316,6 +318,43 @@ def _data_parallel_dims(
     return out
 
 
+def _whole_targets(
+    joint: JointGraph, fixed: dict[str, Placements | list[Placements]], mesh: DeviceMesh
+) -> dict[str, Placements | list[Placements]]:
+    """``fixed`` with ``Replicate`` added to the choices of each :class:`vescale.plan.Batch`
+    input used only as a loss's ``target`` (through views): every rank is given the whole
+    input, so holding it whole costs nothing, and a loss may then count the global total
+    weight locally instead of all-reducing it. The batch itself stays split: the target's
+    rows are sliced to the input's."""
+    out = dict(fixed)
+    nodes = {n.name: n for n in joint.gm.graph.nodes if n.op == "placeholder"}
+    rep: Placements = (Replicate(),) * mesh.ndim
+    for name, given in fixed.items():
+        if isinstance(given, list) and rep not in given and _only_a_target(nodes[name]):
+            out[name] = [*given, rep]
+    return out
+
+
+_COPIES = {torch.ops.aten.clone.default, torch.ops.aten._unsafe_view.default}  # reshape's
+
+
+def _only_a_target(node: torch.fx.Node) -> bool:
+    """Whether every use of ``node``, seen through views and copies of it, is an op's
+    ``target``."""
+    for user in node.users:
+        op = user.target
+        if not isinstance(op, torch._ops.OpOverload):
+            return False
+        if (op.is_view or op in _COPIES) and user.args and user.args[0] is node:
+            if not _only_a_target(user):
+                return False
+            continue
+        bound = bind(op, user.args, user.kwargs)
+        if [n for n, a in bound.items() if a is node] != ["target"]:
+            return False
+    return bool(node.users)
+
+
 def _derived_from_inputs(joint: JointGraph) -> set[torch.fx.Node]:
     args = set(joint.placeholder_names[len(joint.param_names) + len(joint.buffer_names) :])
     out: set[torch.fx.Node] = set()
@@ -363,5 +402,7 @@ def _demands(
             out.append(Demand(value, tied, reason, bucket))  # type: ignore[arg-type]
         else:
             want = tuple(output_placements[i]) if output_placements else rep
-            out.append(Demand(value, [(want, None, [])], f"output {i} as asked"))
+            # read after the step: its reduction joins the gradients' bucket
+            bucket = "gradients" if activations is not None else None
+            out.append(Demand(value, [(want, None, [])], f"output {i} as asked", bucket))
     return out

@@ -241,8 +241,9 @@ def _handler_strategies(
 ) -> NodeStrategies:
     """For an op a vescale handler runs instead of dispatch (``declare_handler_strategies``):
     ``ns`` without the layouts of the handler's ``layout_arg`` it takes over, plus the
-    strategy it declares for each candidate of that argument (inputs it takes as they come:
-    one per candidate), its collectives priced inside the op. Other ops: ``ns``."""
+    strategies it declares for each candidate of that argument (each alternative; inputs it
+    takes as they come: one per candidate), its collectives priced inside the op. Other ops:
+    ``ns``."""
     op: Any = ns.node.target
     handled = registry.handled_op(op)
     if handled is None:
@@ -257,33 +258,31 @@ def _handler_strategies(
         return ns
     cands = {n: table[v[0]].out_candidates(v[1]) for n, v in zip(names, ns.inputs)}
     meta = {n: tensor_meta(bound[n].meta["val"]) for n in names}
-    declared: dict[Placements, registry.HandlerStrategy | None] = {}
+    declared: dict[Placements, tuple[registry.HandlerStrategy, ...]] = {}
 
-    def strategy(layout: Placements) -> registry.HandlerStrategy | None:
+    def strategies(layout: Placements) -> tuple[registry.HandlerStrategy, ...]:
         if layout not in declared:
             args = dict(bound)
             for n in names:  # the others' placements do not decide (HandledOp)
                 p = layout if n == handled.layout_arg else cands[n][0]
                 args[n] = DTensorSpec(mesh, p, meta[n])
-            declared[layout] = handled.declare(op, args)
+            declared[layout] = registry.declared_strategies(handled, op, args)
         return declared[layout]
 
     at = names.index(handled.layout_arg)
-    kept = [(o, i) for o, i in zip(ns.outputs, ns.input_placements) if strategy(i[at]) is None]
+    kept = [(o, i) for o, i in zip(ns.outputs, ns.input_placements) if not strategies(i[at])]
     outputs = [o for o, _ in kept]
     inputs = [i for _, i in kept]
     internal: list[tuple[Any, ...]] = [()] * len(kept)
     for layout in cands[handled.layout_arg]:
-        s = strategy(layout)
-        if s is None:
-            continue
-        steps = tuple(
-            CommStep(c.kind, c.mesh_dim, mesh.size(c.mesh_dim), c.bytes) for c in s.collectives
-        )
-        laid = [[p] if (p := s.inputs[n]) is not None else cands[n] for n in names]
-        for combo in itertools.product(*laid):
-            outputs.append(tuple(s.outputs))
-            inputs.append(tuple(combo))
-            internal.append(steps)
+        for s in strategies(layout):
+            steps = tuple(
+                CommStep(c.kind, c.mesh_dim, mesh.size(c.mesh_dim), c.bytes) for c in s.collectives
+            )
+            laid = [[p] if (p := s.inputs[n]) is not None else cands[n] for n in names]
+            for combo in itertools.product(*laid):
+                outputs.append(tuple(s.outputs))
+                inputs.append(tuple(combo))
+                internal.append(steps)
     source = ns.source if kept else "handler"
     return NodeStrategies(ns.node, ns.inputs, outputs, inputs, source, internal=internal)

@@ -580,9 +580,14 @@ class HandlerStrategy:
     collectives: tuple[Collective, ...] = ()
 
 
-Declaration = Callable[[OpOverload, dict[str, Any]], HandlerStrategy | None]
-"""``fn(op, bound arguments with each DTensor as its DTensorSpec) -> HandlerStrategy``, or
-``None`` where the handler does not take these arguments."""
+Declaration = Callable[
+    [OpOverload, dict[str, Any]], HandlerStrategy | tuple[HandlerStrategy, ...] | None
+]
+"""``fn(op, bound arguments with each DTensor as its DTensorSpec) -> HandlerStrategy``, or a
+tuple of alternatives (the same layout of ``layout_arg``, other layouts of the other
+arguments: eager runs the first whose declared inputs the arguments already have, else the
+first; the planner offers each), or ``None`` where the handler does not take these
+arguments."""
 
 
 @dataclass(frozen=True)
@@ -614,10 +619,21 @@ def handled_op(op: Any) -> HandledOp | None:
     return _HANDLED.get(op)
 
 
+def declared_strategies(
+    handled: HandledOp, op: OpOverload, bound: dict[str, Any]
+) -> tuple[HandlerStrategy, ...]:
+    """Every alternative ``handled`` declares for ``bound`` (DTensors as their specs)."""
+    declared = handled.declare(op, bound)
+    if declared is None:
+        return ()
+    return declared if isinstance(declared, tuple) else (declared,)
+
+
 def handler_strategy(
     op: OpOverload, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> HandlerStrategy | None:
-    """The strategy ``op``'s handler declares for these (eager) arguments; ``None``: no
+    """The strategy ``op``'s handler runs for these (eager) arguments: of the alternatives it
+    declares, the first whose declared inputs they already have, else the first; ``None``: no
     handler takes them."""
     handled = _HANDLED.get(op)
     if handled is None:
@@ -626,7 +642,15 @@ def handler_strategy(
         name: a._spec if isinstance(a, _UpstreamDTensor) else a
         for name, a in bind(op, args, kwargs).items()
     }
-    return handled.declare(op, bound)
+    alternatives = declared_strategies(handled, op, bound)
+    for s in alternatives:
+        if all(
+            p is None or tuple(bound[n].placements) == p
+            for n, p in s.inputs.items()
+            if isinstance(bound.get(n), DTensorSpec)
+        ):
+            return s
+    return alternatives[0] if alternatives else None
 
 
 def takes_over(op: OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:

@@ -245,10 +245,14 @@ def _sum_partial(p: Placement) -> bool:
 @declare_handler_strategies(
     [aten.nll_loss_forward.default, aten.nll_loss_backward.default], layout_arg="self"
 )
-def _nll_strategy(op: torch._ops.OpOverload, a: dict[str, Any]) -> HandlerStrategy | None:
+def _nll_strategy(
+    op: torch._ops.OpOverload, a: dict[str, Any]
+) -> tuple[HandlerStrategy, ...] | None:
     """On ``(N, C)`` / ``(C,)`` input sharded (contiguous shards) or Partial over some mesh
     dim, target and weight DTensors: the target follows the input's batch sharding and is
-    replicated elsewhere, the weight replicated (see above for the outputs)."""
+    replicated elsewhere, the weight replicated (see above for the outputs). Beside it, for
+    a batch-sharded input and ``mean``/``sum``: the whole target (replicated), its rows
+    sliced locally and the total weight counted from all of it, so no collective."""
     x, weight, reduction = a["self"], a["weight"], a["reduction"]
     if not (
         _is_spec(x)
@@ -264,6 +268,7 @@ def _nll_strategy(op: torch._ops.OpOverload, a: dict[str, Any]) -> HandlerStrate
     rep: Placements = (Replicate(),) * mesh.ndim
     batch = sharding_mesh_dims(mesh, x.placements, 0) if x.ndim == 2 else []
     target = tuple(p if x.ndim == 2 and p.is_shard(0) else Replicate() for p in x.placements)
+    whole = bool(batch) and reduction != NONE  # the replicated-target alternative applies
     inputs: dict[str, Placements | None] = {"self": tuple(x.placements), "target": target}
     if weight is not None:
         inputs["weight"] = rep
@@ -273,8 +278,10 @@ def _nll_strategy(op: torch._ops.OpOverload, a: dict[str, Any]) -> HandlerStrate
         inputs["grad_output"] = target if reduction == NONE else rep
         if _is_spec(a["total_weight"]):  # the global weight for mean; unused otherwise
             inputs["total_weight"] = rep if reduction == MEAN else None
-        grad_in = tuple(Replicate() if p.is_partial() else p for p in x.placements)
-        return HandlerStrategy(inputs, (grad_in,))
+        grad_in = (tuple(Replicate() if p.is_partial() else p for p in x.placements),)
+        return (HandlerStrategy(inputs, grad_in),) + (
+            (HandlerStrategy({**inputs, "target": rep}, grad_in),) if whole else ()
+        )
     class_dims = sharding_mesh_dims(mesh, x.placements, x.ndim - 1)
     partial = {i for i, p in enumerate(x.placements) if p.is_partial()}
     loss_dims = set(class_dims) | set(batch) | partial
@@ -285,24 +292,32 @@ def _nll_strategy(op: torch._ops.OpOverload, a: dict[str, Any]) -> HandlerStrate
     )
     if reduction == MEAN:
         steps = tuple(Collective("all_reduce", d, x.tensor_meta.dtype.itemsize) for d in batch)
-        return HandlerStrategy(inputs, (loss, rep), steps)
-    total = tuple(Partial() if i in batch else Replicate() for i in range(mesh.ndim))
-    return HandlerStrategy(inputs, (loss, total))
+        first = HandlerStrategy(inputs, (loss, rep), steps)
+    else:
+        total = tuple(Partial() if i in batch else Replicate() for i in range(mesh.ndim))
+        first = HandlerStrategy(inputs, (loss, total))
+    # the whole target: its total weight counted on every rank, replicated
+    return (first,) + ((HandlerStrategy({**inputs, "target": rep}, (loss, rep)),) if whole else ())
 
 
 def _local_nll_args(
-    a: dict[str, Any],
+    a: dict[str, Any], strategy: HandlerStrategy
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(local input, global target rows here, local target, full weight, local weight):
-    targets outside this rank's class range count as ignored."""
+    """(local input, the targets the total weight counts, local target, full weight, local
+    weight): targets outside this rank's class range count as ignored. With the whole target
+    (the replicated-target strategy) the local rows are sliced from it and every row counts."""
     x, ignore_index = a["self"], a["ignore_index"]
     local = wait_local(x._local_tensor)
     t = wait_local(a["target"]._local_tensor)
+    rows = t
+    if x.ndim == 2 and all(p.is_replicate() for p in strategy.inputs["target"] or ()):
+        start, n = local_range(x.shape, x.device_mesh, x.placements, 0)
+        rows = t[start : start + n]
     offset, _ = local_range(x.shape, x.device_mesh, x.placements, x.ndim - 1)
     n_local = local.shape[-1]
     w = None if a["weight"] is None else wait_local(a["weight"]._local_tensor)
-    lt = t - offset
-    inside = (lt >= 0) & (lt < n_local) & (t != ignore_index)
+    lt = rows - offset
+    inside = (lt >= 0) & (lt < n_local) & (rows != ignore_index)
     lt = torch.where(inside, lt, torch.full_like(lt, ignore_index))
     return local, t, lt, w, None if w is None else w[offset : offset + n_local]
 
@@ -314,7 +329,7 @@ def sharded_nll_loss(
     """``nll_loss_forward`` on batch- and/or class-sharded input (see above)."""
     a, strategy = _laid_out(op, args, kwargs)
     reduction, ignore_index = a["reduction"], a["ignore_index"]
-    local, t, lt, w, w_local = _local_nll_args(a)
+    local, t, lt, w, w_local = _local_nll_args(a, strategy)
     kernel_reduction = SUM if reduction == MEAN else reduction
     out, _ = aten.nll_loss_forward(local, lt, w_local, kernel_reduction, ignore_index)
     counted = t != ignore_index
@@ -339,7 +354,7 @@ def sharded_nll_loss_backward(
 ) -> Any:
     """Local ``nll_loss_backward`` with the local class range and the global total weight."""
     a, strategy = _laid_out(op, args, kwargs)
-    local, _, lt, _, w_local = _local_nll_args(a)
+    local, _, lt, _, w_local = _local_nll_args(a, strategy)
     g = wait_local(a["grad_output"]._local_tensor)
     total = a["total_weight"]
     if isinstance(total, _UpstreamDTensor):  # global for mean; unused by sum and none
