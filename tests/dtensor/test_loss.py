@@ -112,3 +112,42 @@ def _check_nll_on_average_partial():
 
 def test_nll_loss_on_an_average_partial_is_the_loss_of_the_average(pool4):
     pool4.run(_check_nll_on_average_partial)
+
+
+def _check_nll_whole_target():
+    """``nll_loss`` on batch-sharded input (uneven rows, over both mesh dims, with ignored
+    targets) and a replicated target: the rows are sliced locally and the total weight is
+    counted from the whole target, so mean and sum need no collective; forward and backward
+    equal one device's (float64). The batch-sharded target still all-reduces its count."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(11, 5, generator=g, dtype=torch.float64).log_softmax(-1)
+    t = torch.randint(0, 5, (11,), generator=g)
+    t[[1, 6]] = -100  # ignored: the mean divides by the 9 counted targets
+    w = torch.rand(5, generator=g, dtype=torch.float64)
+    mesh = vescale.init_device_mesh("cpu", (2, 2))
+    dx0 = vescale.distribute_tensor(x, mesh, [Shard(0), Shard(0)])
+    dt = vescale.distribute_tensor(t, mesh, [Replicate(), Replicate()])
+    dw = vescale.distribute_tensor(w, mesh, [Replicate(), Replicate()])
+    for reduction in ("mean", "sum"):
+        for weight, dweight in ((None, None), (w, dw)):
+            ref_x = x.clone().requires_grad_(True)
+            ref = F.nll_loss(ref_x, t, weight=weight, reduction=reduction)
+            ref.backward()
+            dx = dx0.detach().requires_grad_(True)
+            with count_collectives() as counts:
+                loss = F.nll_loss(dx, dt, weight=dweight, reduction=reduction)
+                loss.backward(torch.ones_like(loss))
+            assert sum(counts.values()) == 0, (reduction, dict(counts))
+            assert all(p.is_partial() for p in loss.placements), loss.placements
+            torch.testing.assert_close(loss.full_tensor(), ref, rtol=1e-12, atol=1e-12)
+            assert dx.grad.placements == dx.placements, dx.grad.placements
+            torch.testing.assert_close(dx.grad.full_tensor(), ref_x.grad, rtol=1e-12, atol=1e-12)
+    sharded = vescale.distribute_tensor(t, mesh, [Shard(0), Shard(0)])
+    with count_collectives() as counts:
+        loss = F.nll_loss(dx0, sharded)
+    assert counts["all_reduce"] == 2, dict(counts)  # the count, over each batch mesh dim
+    torch.testing.assert_close(loss.full_tensor(), F.nll_loss(x, t), rtol=1e-12, atol=1e-12)
+
+
+def test_nll_loss_with_the_whole_target_needs_no_collective(pool4):
+    pool4.run(_check_nll_whole_target)
