@@ -15,6 +15,7 @@ from torch._dynamo.backends.registry import _COMPILER_FNS as DYNAMO_COMPILER_FNS
 from torch._dynamo.backends.registry import register_backend
 from torch._export.utils import _compiling_state_context as export_tracing_state
 from torch._functorch.aot_autograd import make_boxed_func
+from torch._guards import TracingContext, tracing
 from torch._library.opaque_object import MemberType, register_opaque_type
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor
@@ -90,6 +91,7 @@ __all__ = [
     "StridedShard",
     "TensorMeta",
     "TorchDispatchMode",
+    "TracingContext",
     "TupleStrategy",
     "_mesh_resources",
     "aot_autograd",
@@ -116,6 +118,7 @@ __all__ = [
     "resolve_process_group",
     "return_and_correct_aliasing",
     "stable_topological_sort",
+    "tracing",
     "tree_map",
     "upstream_dispatch_module",
     "upstream_loss_module",

@@ -15,8 +15,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 from torch.distributed.tensor.placement_types import Placement
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from vescale import _progress
+from vescale._torch_compat import FakeTensorMode, TracingContext, tracing
 from vescale.dtensor import DTensor
 from vescale.dtensor.deferred_init import materialize_module
 from vescale.dtensor.dtensor import new_dtensor
@@ -57,6 +59,11 @@ class _AttachGrads(torch.autograd.Function):
         scaled = torch._foreach_mul(list(ctx.grads), g)
         wrapped = (new_dtensor(t, s, requires_grad=False) for t, s in zip(scaled, ctx.specs))
         return (None, None, *wrapped, *((None,) * n))
+
+
+def _no_grad(t: torch.Tensor) -> torch.Tensor:
+    """``t``, detached only where it requires grad (a parameter's local shard rarely does)."""
+    return t.detach() if t.requires_grad else t
 
 
 class PlannedModule(nn.Module):
@@ -129,8 +136,13 @@ class PlannedModule(nn.Module):
                 phs = [graph.placeholder(f"arg{i}") for i in range(len(flat))]
                 graph.output(graph.call_function(placed_joint_step, tuple(phs)))
                 gm = torch.fx.GraphModule(nn.Module(), graph)
-                with _progress.forced(self._progress):
-                    self._step = vescale_backend(gm, flat, self._options)
+                # fake examples of a mode with a shape env, in a tracing context, as Dynamo
+                # hands a backend: without them Inductor bypasses its FX graph cache and
+                # recompiles every run
+                fake = FakeTensorMode(shape_env=ShapeEnv())
+                examples = [fake.from_tensor(t, static_shapes=True) for t in flat]
+                with _progress.forced(self._progress), tracing(TracingContext(fake)):
+                    self._step = vescale_backend(gm, examples, self._options)
         return self._step
 
     def _mismatch(self, args: Sequence[Any], rank: int | None) -> str | None:
@@ -175,7 +187,7 @@ class PlannedModule(nn.Module):
         state: list[Any] = self._flat_state()  # DTensors
         dargs = [to_placements(a, self.program, p) for a, p in zip(args, self.input_placements)]
         specs = [t._spec for t in state] + [d._spec for d in dargs]
-        flat = [t._local_tensor.detach() for t in state] + [d._local_tensor for d in dargs]
+        flat = [_no_grad(t._local_tensor) for t in state] + [d._local_tensor for d in dargs]
         outs = self._compiled(specs, flat)(*flat)
         spec = self._out_specs[0]
         out = outs[0] if spec is None else new_dtensor(outs[0], spec, requires_grad=False)

@@ -367,7 +367,9 @@ def solve_global(problem: Problem, time_limit_s: float = TIME_LIMIT_S) -> Soluti
             options={"time_limit": max(deadline - time.monotonic(), 10.0), "mip_rel_gap": MIP_GAP},
         )
         x = mip.x
-        status = "branch and bound" if mip.status == 0 else mip.message
+        status = {0: "branch and bound", 1: "branch and bound, stopped at its time limit"}.get(
+            mip.status, mip.message
+        )
         bound = getattr(mip, "mip_dual_bound", bound)
     pairs = (len(lp.pairs), sum(edge.cost.size for edge in edges))
     chosen = (
