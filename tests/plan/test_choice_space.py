@@ -99,9 +99,9 @@ def test_empty_plan_free_batch_is_ddp_over_both_mesh_dims(pool4):
         assert out["recipe"] == "DDP over dp+tp", out["recipe"]
         # the step: one all-reduce over the four ranks holding every gradient and the loss
         # value (one float32); nothing else (upstream DDP's one bucket)
-        assert out["collectives"] == [
-            ("all_reduce", (0, 1, 2, 3), out["param_bytes"] + 4)
-        ], out["collectives"]
+        assert out["collectives"] == [("all_reduce", (0, 1, 2, 3), out["param_bytes"] + 4)], out[
+            "collectives"
+        ]
 
 
 def _check_budget(budget: int) -> dict:
