@@ -56,7 +56,7 @@ class _AttachGrads(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         n = len(ctx.grads)
         g = grad.full_tensor() if isinstance(grad, _UpstreamDTensor) else grad
-        scaled = torch._foreach_mul(list(ctx.grads), g)
+        scaled = [t * g for t in ctx.grads]
         wrapped = (new_dtensor(t, s, requires_grad=False) for t, s in zip(scaled, ctx.specs))
         return (None, None, *wrapped, *((None,) * n))
 
