@@ -322,10 +322,10 @@ def _whole_targets(
     joint: JointGraph, fixed: dict[str, Placements | list[Placements]], mesh: DeviceMesh
 ) -> dict[str, Placements | list[Placements]]:
     """``fixed`` with ``Replicate`` added to the choices of each :class:`vescale.plan.Batch`
-    input used only as a loss's ``target`` (through views): every rank is given the whole
-    input, so holding it whole costs nothing, and a loss may then count the global total
-    weight locally instead of all-reducing it. The batch itself stays split: the target's
-    rows are sliced to the input's."""
+    input used only as a loss's ``target`` (through views and reshape's copies): every rank
+    is given the whole input, so holding it whole costs nothing, and a loss may then count
+    the global total weight locally instead of all-reducing it. The batch itself stays split:
+    the target's rows are sliced to the input's."""
     out = dict(fixed)
     nodes = {n.name: n for n in joint.gm.graph.nodes if n.op == "placeholder"}
     rep: Placements = (Replicate(),) * mesh.ndim
