@@ -13,7 +13,7 @@ with others of its kind and mesh dim (a demand's ``bucket``, ``Problem.latency``
 ``z`` per (bucket, kind, mesh dim), ``y <= z`` for each pair paying it: paid once, however
 many tensors the bucket holds; the pair's ``c`` keeps its bandwidth term. Plan placements are the only strategy of their placeholders
 (hard); a gradient output must arrive in its parameter's placements. Ties go to the earlier
-strategy (a cost of ``1e-3`` us x its index in the registry's order), so every rank, solving the
+strategy (a cost of ``1e-9`` x its index in the registry's order), so every rank, solving the
 same problem, makes the same choice.
 
 Size: the greedy choice is solved first; its total cost ``U`` bounds the optimum, so a pair
@@ -57,7 +57,7 @@ __all__ = [
     "solving_group",
 ]
 
-TIE = 1e-3  # us per strategy index: above HiGHS' optimality tolerance, below any real cost
+TIE = 1e-9  # us per strategy index
 TIME_LIMIT_S = 120.0
 MIP_GAP = 1e-3  # branch and bound stops within 0.1% of the optimum: far inside the estimates' error
 
