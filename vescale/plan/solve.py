@@ -58,6 +58,7 @@ __all__ = [
 ]
 
 TIE = 1e-9  # us per strategy index
+TIED = 1e-6  # a global choice within this of greedy's estimate is a tie: greedy's is kept
 TIME_LIMIT_S = 120.0
 MIP_GAP = 1e-3  # branch and bound stops within 0.1% of the optimum: far inside the estimates' error
 
@@ -381,7 +382,10 @@ def solve_global(problem: Problem, time_limit_s: float = TIME_LIMIT_S) -> Soluti
         }
     )
     value = np.inf if chosen is None else objective(problem, chosen)
-    if chosen is None or value > greedy.objective_us or not problem.fits(chosen):
+    # not cheaper than greedy beyond the LP's tolerance: a tie, which goes to greedy (eager's
+    # choice), not to whichever tied vertex the interior point ended on
+    tied = value >= greedy.objective_us * (1 - TIED)
+    if chosen is None or tied or not problem.fits(chosen):
         greedy.status = f"greedy: the global program found nothing cheaper ({status})"
         greedy.bound_us, greedy.greedy_us, greedy.pairs = bound, greedy.objective_us, pairs
         return greedy
