@@ -13,8 +13,9 @@ with others of its kind and mesh dim (a demand's ``bucket``, ``Problem.latency``
 ``z`` per (bucket, kind, mesh dim), ``y <= z`` for each pair paying it: paid once, however
 many tensors the bucket holds; the pair's ``c`` keeps its bandwidth term. Plan placements are the only strategy of their placeholders
 (hard); a gradient output must arrive in its parameter's placements. Ties go to the earlier
-strategy (a cost of ``1e-9`` x its index in the registry's order), so every rank, solving the
-same problem, makes the same choice.
+strategy (a cost of ``1e-9`` x its index in the registry's order), and a global choice within
+``TIED`` of greedy's estimate keeps greedy's (the interior point may end on either of two tied
+vertices), so every rank, solving the same problem, makes the same choice.
 
 Size: the greedy choice is solved first; its total cost ``U`` bounds the optimum, so a pair
 costing more than ``U`` alone (all costs are non-negative) is in no optimal solution and is
