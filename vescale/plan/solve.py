@@ -186,7 +186,6 @@ class _Edge:
     whole step), the producer strategies of each ``a`` and consumer strategies of each ``b``."""
 
     producer: torch.fx.Node
-    same: list[tuple[int, int]]  # pairs (a, b) with a == b
     groups: list[list[int]]
     options: list[tuple[torch.fx.Node | None, list[int]]]
     cost: np.ndarray  # without the latencies in ``shared``
@@ -212,15 +211,14 @@ def _edges(problem: Problem, upper: float) -> list[_Edge]:
                 shared[(int(i), int(j))] = latency
                 cost[i, j] -= sum(latency.values())
         options = [(node, strategies) for _, node, strategies in demand.options]
-        where = {b: j for j, (b, _, _) in enumerate(demand.options)}
-        same = [(i, where[a]) for i, a in enumerate(groups) if a in where]
-        out.append(_Edge(producer, same, list(groups.values()), options, cost, shared))
+        out.append(_Edge(producer, list(groups.values()), options, cost, shared))
     return out
 
 
 class _Program:
-    """The LP over all node variables and the pair variables added. A bucket key's latency is a variable ``z`` of that cost, with ``y <= z`` for every pair
-    ``y`` paying it (inequality rows, added with the pair)."""
+    """The LP over all node variables and the pair variables added. A bucket key's latency
+    is a variable ``z`` of that cost, with ``y <= z`` for every pair ``y`` paying it
+    (inequality rows, added with the pair)."""
 
     def __init__(self, problem: Problem, edges: list[_Edge]) -> None:
         self.edges = edges
