@@ -39,15 +39,18 @@ def gpt_mesh() -> vescale.DeviceMesh:
 
 
 def train(
-    model: torch.nn.Module, batches: list[tuple[torch.Tensor, ...]]
+    model: torch.nn.Module,
+    batches: list[tuple[torch.Tensor, ...]],
+    scales: tuple[float, ...] | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """SGD steps; losses and final parameters (full tensors)."""
+    """SGD steps (step ``i`` back-propagates ``loss * scales[i]``, default 1); losses and
+    final parameters (full tensors)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
-    for inputs in batches:
+    for i, inputs in enumerate(batches):
         loss = model(*inputs)
         opt.zero_grad()
-        loss.backward()
+        (loss if scales is None else loss * scales[i]).backward()
         opt.step()
         losses.append(
             loss.full_tensor().item() if isinstance(loss, vescale.DTensor) else loss.item()

@@ -45,13 +45,17 @@ def _param_bytes(model: torch.nn.Module) -> int:
 
 def _placed(vocab: int, budget: int | None, compile: bool = True):  # type: ignore[no-untyped-def]
     """The GPT placed from an empty plan and a free batch, trained 3 SGD steps and checked
-    against one device (losses and parameters within 1e-5)."""
+    against one device (losses and parameters within 1e-5). The second step's inputs are
+    contiguous copies (the first's are views of one tensor, as ``gpt.batch`` gives them) and
+    its loss is halved before ``backward``."""
     import gpt
 
     torch._dynamo.reset()
     cfg = _cfg(vocab)
     batches = [gpt.batch(cfg, i) for i in range(3)]
-    ref_losses, ref_params = train(gpt.build(cfg), batches)
+    scales = (1.0, 0.5, 1.0)
+    ref_losses, ref_params = train(gpt.build(cfg), batches, scales)
+    batches[1] = tuple(t.contiguous() for t in batches[1])
     model = vescale.parallelize(
         gpt.build(cfg),
         gpt_mesh(),
@@ -64,7 +68,7 @@ def _placed(vocab: int, budget: int | None, compile: bool = True):  # type: igno
         memory_budget=budget,
         progress=False,
     )
-    losses, params = train(model, batches)
+    losses, params = train(model, batches, scales)
     assert all(abs(a - b) < 1e-5 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
     for k, v in params.items():
         torch.testing.assert_close(v, ref_params[k], atol=1e-5, rtol=0, msg=k)
@@ -102,6 +106,28 @@ def test_empty_plan_free_batch_is_ddp_over_both_mesh_dims(pool4):
         assert out["collectives"] == [("all_reduce", (0, 1, 2, 3), out["param_bytes"] + 4)], out[
             "collectives"
         ]
+
+
+def _check_whole_inputs_sliced() -> None:
+    from vescale.dtensor.placement_types import InterleavedShard
+    from vescale.plan.api import _narrows, _take
+
+    mesh, r, s0, s1 = gpt_mesh(), Replicate(), vescale.Shard(0), vescale.Shard(1)
+    whole = torch.arange(35.0).reshape(5, 7)[:, :6]  # uneven over 2 and 4, not contiguous
+    for placements in [(s0, s0), (s0, s1), (s1, s0), (r, s0), (s1, r), (r, r)]:
+        d = vescale.DTensor.from_local(whole, mesh, (r, r)).redistribute(mesh, placements)
+        local = _take(whole, _narrows(d._spec))
+        assert torch.equal(local, d.to_local()) and local.is_contiguous(), placements
+    d = vescale.DTensor.from_local(whole, mesh, (r, r)).redistribute(
+        mesh, (r, InterleavedShard(1, 3))
+    )
+    assert _narrows(d._spec) is None  # not a plain slice: redistributed at every call
+
+
+def test_whole_inputs_are_sliced_as_redistribution_slices_them(pool4):
+    """Later calls slice a plain input locally (``PlannedModule._inputs``); the slice is the
+    first call's redistribution's, on every rank, for uneven shapes and views."""
+    pool4.run(_check_whole_inputs_sliced, timeout_s=120)
 
 
 def _check_budget(budget: int) -> dict:

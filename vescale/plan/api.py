@@ -14,11 +14,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from vescale import _progress
-from vescale._torch_compat import FakeTensorMode, TracingContext, tracing
+from vescale._torch_compat import (
+    FakeTensorMode,
+    TracingContext,
+    compute_local_shape_and_global_offset,
+    tracing,
+)
 from vescale.dtensor import DTensor
 from vescale.dtensor.deferred_init import materialize_module
 from vescale.dtensor.dtensor import new_dtensor
@@ -56,7 +61,8 @@ class _AttachGrads(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         n = len(ctx.grads)
         g = grad.full_tensor() if isinstance(grad, _UpstreamDTensor) else grad
-        scaled = [t * g for t in ctx.grads]
+        ones = g.device.type == "cpu" and g.numel() == 1 and g.item() == 1  # loss.backward()
+        scaled = ctx.grads if ones else [t * g for t in ctx.grads]
         wrapped = (new_dtensor(t, s, requires_grad=False) for t, s in zip(scaled, ctx.specs))
         return (None, None, *wrapped, *((None,) * n))
 
@@ -64,6 +70,36 @@ class _AttachGrads(torch.autograd.Function):
 def _no_grad(t: torch.Tensor) -> torch.Tensor:
     """``t``, detached only where it requires grad (a parameter's local shard rarely does)."""
     return t.detach() if t.requires_grad else t
+
+
+def _slot(module: nn.Module, name: str, kind: str) -> tuple[dict[str, Any], str]:
+    """The dict holding parameter or buffer ``name`` of ``module`` (its owner's
+    ``_parameters`` or ``_buffers``) and its key there: read at every step, so a parameter
+    the user replaces is the one the step uses."""
+    owner, _, leaf = name.rpartition(".")
+    sub = module.get_submodule(owner)
+    return (sub._parameters if kind == "parameter" else sub._buffers), leaf
+
+
+Narrows = tuple[tuple[int, int, int], ...]
+
+
+def _narrows(spec: Any) -> Narrows | None:
+    """(dim, start, length) slices taking this rank's shard of a whole tensor laid out as
+    ``spec``; ``None`` unless every placement is a plain ``Shard`` or ``Replicate``."""
+    if any(type(p) not in (Shard, Replicate) for p in spec.placements):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
+    return tuple(
+        (d, int(o), int(n)) for d, (o, n, w) in enumerate(zip(offset, shape, spec.shape)) if n != w
+    )
+
+
+def _take(t: torch.Tensor, narrows: Narrows) -> torch.Tensor:
+    """This rank's shard of the whole ``t`` (:func:`_narrows`), contiguous."""
+    for d, start, length in narrows:
+        t = t.narrow(d, start, length)
+    return t.contiguous()
 
 
 class PlannedModule(nn.Module):
@@ -96,16 +132,39 @@ class PlannedModule(nn.Module):
         self._progress = progress
         self._step: Any = None
         self._out_specs: list[Any] = []  # the outputs' layouts, recorded when the step is traced
+        joint = program.joint
+        self._slots = [_slot(module, n, "parameter") for n in joint.param_names] + [
+            _slot(module, n, "buffer") for n in joint.buffer_names
+        ]
+        self._grad_slots = [
+            _slot(module, joint.grad_of[i], "parameter") for i in sorted(joint.grad_of)
+        ]
+        self._in_specs: list[Any] = []  # the inputs' layouts, fixed at the first call
+        self._in_narrows: list[Narrows | None] = []
 
     def explain(self) -> Explanation:
         """What was chosen and why (:func:`vescale.plan.explain`)."""
         return explain(self.program)
 
-    def _flat_state(self) -> list[torch.Tensor]:
-        params = dict(self.module.named_parameters())
-        buffers = dict(self.module.named_buffers())
-        joint = self.program.joint
-        return [params[n] for n in joint.param_names] + [buffers[n] for n in joint.buffer_names]
+    def _inputs(self, args: Sequence[Any]) -> list[torch.Tensor]:
+        """The local shards of ``args`` in the planned input placements, contiguous (the
+        compiled step is specialized to its inputs' strides). A whole (plain) input is
+        sliced locally as the first call's redistribution did (``_in_specs`` records its
+        layouts); a DTensor input is redistributed."""
+        if not self._in_specs:
+            whole = [a if isinstance(a, _UpstreamDTensor) else a.contiguous() for a in args]
+            dargs = [
+                to_placements(a, self.program, p) for a, p in zip(whole, self.input_placements)
+            ]
+            self._in_specs = [d._spec for d in dargs]
+            self._in_narrows = [_narrows(d._spec) for d in dargs]
+            return [d._local_tensor.contiguous() for d in dargs]
+        return [
+            _take(a, n)
+            if n is not None and not isinstance(a, _UpstreamDTensor)
+            else to_placements(a, self.program, p)._local_tensor.contiguous()
+            for a, n, p in zip(args, self._in_narrows, self.input_placements)
+        ]
 
     def _compiled(self, specs: list[Any], flat: list[torch.Tensor]) -> Any:
         """The placed step on local tensors (``flat``: this rank's shards laid out as
@@ -184,18 +243,16 @@ class PlannedModule(nn.Module):
                 f"vescale.parallelize: expected {len(self.input_placements)} inputs, got {len(args)}"
             )
         self._check_inputs(args)
-        state: list[Any] = self._flat_state()  # DTensors
-        dargs = [to_placements(a, self.program, p) for a, p in zip(args, self.input_placements)]
-        specs = [t._spec for t in state] + [d._spec for d in dargs]
-        flat = [_no_grad(t._local_tensor) for t in state] + [d._local_tensor for d in dargs]
+        state: list[Any] = [slots[key] for slots, key in self._slots]  # DTensors
+        local = self._inputs(args)
+        specs = [t._spec for t in state] + self._in_specs
+        flat = [_no_grad(t._local_tensor) for t in state] + local
         outs = self._compiled(specs, flat)(*flat)
         spec = self._out_specs[0]
         out = outs[0] if spec is None else new_dtensor(outs[0], spec, requires_grad=False)
-        joint = self.program.joint
-        if not joint.grad_of:
+        if not self._grad_slots:
             return out
-        params = dict(self.module.named_parameters())
-        with_grad: list[Any] = [params[joint.grad_of[i]] for i in sorted(joint.grad_of)]
+        with_grad: list[Any] = [slots[key] for slots, key in self._grad_slots]
         grad_specs = [p._spec for p in with_grad]
         return _AttachGrads.apply(out, grad_specs, *with_grad, *outs[1 : 1 + len(with_grad)])
 
