@@ -24,7 +24,7 @@ import vescale
 from vescale import Replicate, Shard
 from vescale.plan import AlphaBeta
 from vescale.plan.capture import capture_joint
-from vescale.plan.cost import bucketed_step
+from vescale.plan.cost import bucketed_steps
 from vescale.plan.explain import explain
 from vescale.plan.program import place
 from vescale.plan.propagate import NodeStrategies, Placements, Value
@@ -97,32 +97,34 @@ def test_greedy_pays_every_latency_and_keeps_the_shards() -> None:
     assert [solve_global(problem).chosen[op] for op in ops] == [1] * K
 
 
-def test_bucketed_step_only_where_the_program_issues_the_bucket() -> None:
+def test_bucketed_steps_only_where_the_program_issues_the_bucket() -> None:
     mesh = (2, 2)
     shape = (8, 6)
     rr: Placements = (Replicate(), Replicate())
-    gather = bucketed_step("parameters", (Replicate(), Shard(1)), rr, shape, 4, mesh)
-    assert gather is not None and (gather.kind, gather.mesh_dim, gather.bytes) == (
-        "all_gather",
-        1,
-        8 * 3 * 4,
-    )
+    (gather,) = bucketed_steps("parameters", (Replicate(), Shard(1)), rr, shape, 4, mesh)
+    assert (gather.kind, gather.mesh_dim, gather.bytes) == ("all_gather", 1, 8 * 3 * 4)
     # the gather then a local slice onto another dim: still one all-gather
-    assert bucketed_step(
+    assert bucketed_steps(
         "parameters", (Replicate(), Shard(1)), (Shard(0), Replicate()), shape, 4, mesh
     )
     # sharded over both mesh dims, or unevenly: not in the bucket
     both = (Shard(0), Shard(1))
-    assert bucketed_step("parameters", both, rr, shape, 4, mesh) is None
-    assert bucketed_step("parameters", (Replicate(), Shard(0)), rr, (7, 6), 4, mesh) is None
+    assert bucketed_steps("parameters", both, rr, shape, 4, mesh) == ()
+    assert bucketed_steps("parameters", (Replicate(), Shard(0)), rr, (7, 6), 4, mesh) == ()
     partial = (vescale.Partial(), Replicate())
-    reduce = bucketed_step("gradients", partial, (Replicate(), Shard(0)), shape, 4, mesh)
-    assert reduce is not None and (reduce.kind, reduce.mesh_dim) == ("all_reduce", 0)
-    # a reduce-scatter, or two all-reduces, are not
-    assert bucketed_step("gradients", partial, (Shard(0), Replicate()), shape, 4, mesh) is None
+    (reduce,) = bucketed_steps("gradients", partial, (Replicate(), Shard(0)), shape, 4, mesh)
+    assert (reduce.kind, reduce.mesh_dim) == ("all_reduce", 0)
+    # every reduction of a gradient: a reduce-scatter, two all-reduces, a reduce-scatter
+    # then an all-reduce (each joins its own kind's bucket)
+    (scatter,) = bucketed_steps("gradients", partial, (Shard(0), Replicate()), shape, 4, mesh)
+    assert (scatter.kind, scatter.mesh_dim) == ("reduce_scatter", 0)
     pp = (vescale.Partial(), vescale.Partial())
-    assert bucketed_step("gradients", pp, rr, shape, 4, mesh) is None
-    assert bucketed_step("gradients", (Replicate(), Shard(1)), rr, shape, 4, mesh) is None
+    two = bucketed_steps("gradients", pp, rr, shape, 4, mesh)
+    assert sorted((s.kind, s.mesh_dim) for s in two) == [("all_reduce", 0), ("all_reduce", 1)]
+    mixed = bucketed_steps("gradients", pp, (Shard(0), Replicate()), shape, 4, mesh)
+    assert sorted((s.kind, s.mesh_dim) for s in mixed) == [("all_reduce", 1), ("reduce_scatter", 0)]
+    # a gather is no gradient reduction
+    assert bucketed_steps("gradients", (Replicate(), Shard(1)), rr, shape, 4, mesh) == ()
 
 
 class _MLP(nn.Module):

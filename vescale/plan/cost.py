@@ -4,7 +4,7 @@ A redistribution is the collectives the eager layer issues for it
 (:func:`redistribution_steps`), one :class:`CommStep` per mesh dim leaving a ``Shard`` or
 ``Partial``, each priced ``alpha + beta * wire`` (a shard moving to another tensor dim: the
 all-gather and local slice the eager layer issues). Collectives the placed program issues
-together (:func:`bucketed_step`) are merged by the ``bucket`` pass, so the solver charges
+together (:func:`bucketed_steps`) are merged by the ``bucket`` pass, so the solver charges
 their ``alpha`` once per bucket, not once per tensor. An op's strategy costs
 :func:`strategy_compute_s`: its FLOPs split over the mesh dims its output is sharded or
 partial on (matrix products and attention) or the bytes its local inputs and outputs hold,
@@ -42,7 +42,7 @@ __all__ = [
     "AlphaBeta",
     "CommStep",
     "bucket_copy_s",
-    "bucketed_step",
+    "bucketed_steps",
     "calibrate",
     "default_alpha_beta",
     "local_bytes",
@@ -127,34 +127,38 @@ def _meta_mesh(mesh_shape: tuple[int, ...]) -> DeviceMesh:
     return DeviceMesh("meta", torch.arange(math.prod(mesh_shape)).reshape(mesh_shape))
 
 
-def bucketed_step(
+def bucketed_steps(
     bucket: str,
     src: Placements,
     dst: Placements,
     shape: tuple[int, ...],
     itemsize: int,
     mesh_shape: tuple[int, ...],
-) -> CommStep | None:
-    """The one collective of ``src -> dst`` that the placed program issues together with the
-    others of its ``bucket`` (so the ``bucket`` pass merges them: one latency), or ``None``.
+) -> tuple[CommStep, ...]:
+    """The collectives of ``src -> dst`` that the placed program issues together with the
+    others of its ``bucket``, so the ``bucket`` pass merges each with the bucket's others of
+    its kind and group (one latency per kind and group); ``()`` when none is.
 
     ``"parameters"``: a parameter with one ``Shard`` (evenly divided) gathered over its mesh
     dim, then local slices; the program issues all of these first. ``"gradients"``: a gradient
-    whose only collective is one all-reduce (Partial -> Replicate), then local slices; the
-    program issues all of these before any slice, at its end."""
+    whose collectives are all reductions (all-reduces, reduce-scatters), then local slices;
+    the program issues, at its end, every gradient's first reduction, then every second one,
+    then the slices."""
     steps = redistribution_steps(src, dst, shape, itemsize, mesh_shape)
-    if steps is None or len(steps) != 1:
-        return None
-    step = steps[0]
-    if bucket == "parameters" and step.kind == "all_gather":
-        shards = [(i, p) for i, p in enumerate(src) if not isinstance(p, Replicate)]
-        if len(shards) != 1:
-            return None
-        i, p = shards[0]
-        return step if type(p) is Shard and shape[p.dim] % mesh_shape[i] == 0 else None
-    if bucket == "gradients" and step.kind == "all_reduce":
-        return step
-    return None
+    if not steps:
+        return ()
+    if bucket == "gradients":
+        return tuple(steps) if all(s.kind in _REDUCTIONS for s in steps) else ()
+    if bucket != "parameters" or len(steps) != 1 or steps[0].kind != "all_gather":
+        return ()
+    shards = [(i, p) for i, p in enumerate(src) if not isinstance(p, Replicate)]
+    if len(shards) != 1:
+        return ()
+    i, p = shards[0]
+    return tuple(steps) if type(p) is Shard and shape[p.dim] % mesh_shape[i] == 0 else ()
+
+
+_REDUCTIONS = ("all_reduce", "reduce_scatter")
 
 
 @dataclass(frozen=True)
@@ -226,29 +230,24 @@ def bucket_copy_s(ab: AlphaBeta, step: CommStep) -> float:
     return 2 * copied * ab.gamma
 
 
-def flat_bucketed_step(
+def flat_bucketed_steps(
     bucket: str,
     src: Placements,
     dst: Placements,
     shape: tuple[int, ...],
     itemsize: int,
     mesh_shape: tuple[int, ...],
-) -> CommStep | None:
-    """:func:`bucketed_step` over :func:`flattened_steps`: also a gradient reduced over
-    several mesh dims as one all-reduce of their flattened group, a gradient whose one
-    collective is a reduce-scatter (FSDP's; the program issues those together too), and a
-    parameter sharded on one tensor dim over several mesh dims gathered by one all-gather
-    of theirs."""
+) -> tuple[CommStep, ...]:
+    """:func:`bucketed_steps` over :func:`flattened_steps`: also a parameter sharded on one
+    tensor dim over several mesh dims gathered by one all-gather of their flattened group."""
     steps = flattened_steps(src, dst, shape, itemsize, mesh_shape)
-    if steps is not None and len(steps) == 1 and bucket == "gradients":
-        return steps[0] if steps[0].kind in ("all_reduce", "reduce_scatter") else None
-    if steps is None or len(steps) != 1 or not isinstance(steps[0], FlatStep):
-        return bucketed_step(bucket, src, dst, shape, itemsize, mesh_shape)
-    step = steps[0]
-    if bucket == "parameters" and step.kind == "all_gather":
+    if steps and bucket == "gradients":
+        return tuple(steps) if all(s.kind in _REDUCTIONS for s in steps) else ()
+    if steps and len(steps) == 1 and isinstance(steps[0], FlatStep) and bucket == "parameters":
         sharded = [p for p in src if not isinstance(p, Replicate)]
-        return step if len(sharded) == len(step.mesh_dims) else None
-    return None
+        gathers = steps[0].kind == "all_gather" and len(sharded) == len(steps[0].mesh_dims)
+        return tuple(steps) if gathers else ()
+    return bucketed_steps(bucket, src, dst, shape, itemsize, mesh_shape)
 
 
 def strategy_compute_s(

@@ -85,6 +85,11 @@ class Explanation:
         return sum(len(r.steps) for r in self.redistributions)
 
     @property
+    def merged_count(self) -> int:
+        """Collectives per step once the ``bucket`` pass merged each bucket's members."""
+        return self.collective_count - sum(self.buckets.values()) + len(self.buckets)
+
+    @property
     def estimated_us(self) -> float:
         """Every redistribution's time, a bucket's latency once."""
         shared = sum(
@@ -120,13 +125,11 @@ class Explanation:
     def _merged(self) -> str:
         if not self.buckets:
             return ""
-        members = sum(self.buckets.values())
-        merged = self.collective_count - members + len(self.buckets)
         parts = ", ".join(
             f"{b} {k}[dim {_dim_text(d)}] x{n}"
             for (b, k, d), n in sorted(self.buckets.items(), key=repr)
         )
-        return f" ({merged} after the bucket pass: {parts})"
+        return f" ({self.merged_count} after the bucket pass: {parts})"
 
     def _memory_lines(self) -> list[str]:
         lines = [f"recipe: {self.recipe}"] if self.recipe else []
@@ -229,8 +232,9 @@ def explain(program: PlacedProgram, max_alternatives: int = 3) -> Explanation:
         if src == dst:
             continue
         steps = tuple(program.steps(demand.value, src, dst))
-        if demand.bucket is not None and program.bucketed(demand, src, dst):
-            buckets.update((demand.bucket, s.kind, _group_key(s)) for s in steps)
+        if demand.bucket is not None:
+            bucketed = program.bucketed(demand, src, dst)
+            buckets.update((demand.bucket, s.kind, _group_key(s)) for s in bucketed)
         node, k = demand.value
         consumer = next((n for _, n, _ in demand.options if n is not None), None)
         name = node.name if k is None else f"{node.name}[{k}]"

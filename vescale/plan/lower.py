@@ -6,15 +6,16 @@ the local program with functional collectives, bucketed and scheduled by the usu
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
-from torch.distributed.tensor.placement_types import Partial
 
 from vescale._torch_compat import pytree
 from vescale.dtensor import DTensor, Replicate, Shard
 from vescale.dtensor.dispatch import explicit_redistribute
+from vescale.plan.cost import CommStep, group_of
 from vescale.plan.program import PlacedProgram
 from vescale.plan.propagate import Placements
 
@@ -104,19 +105,31 @@ def _gather_parameters(program: PlacedProgram, env: dict[torch.fx.Node, Any]) ->
 
 
 def _outputs(program: PlacedProgram, values: list[Any]) -> tuple[Any, ...]:
-    """The output leaves in their demanded placements: the bucketed gradients' all-reduces
-    and reduce-scatters first, all of them, then every local move."""
+    """The output leaves in their demanded placements: the bucketed gradients' reductions
+    first (every gradient's first reduction, then every second one), then every local move."""
     demands = program.demands[-len(values) :]
-    reduced = []
+    stages: list[list[Placements]] = []
     for t, demand in zip(values, demands):
         src = tuple(t.placements) if isinstance(t, _UpstreamDTensor) else None
-        dst = program.required(demand)
-        if src is not None and program.bucketed(demand, src, dst):
-            (step,) = program.steps(demand.value, src, dst)
-            mid = tuple(Replicate() if isinstance(p, Partial) else p for p in src)
-            t = t.redistribute(program.mesh, dst if step.kind == "reduce_scatter" else mid)
-        reduced.append(t)
-    return tuple(to_placements(t, program, program.required(d)) for t, d in zip(reduced, demands))
+        steps = program.bucketed(demand, src, program.required(demand)) if src else ()
+        stages.append(_reduced(src, program.required(demand), steps) if src else [])
+    out = list(values)
+    for k in range(max(map(len, stages), default=0)):
+        for i, after in enumerate(stages):
+            if k < len(after):
+                out[i] = out[i].redistribute(program.mesh, after[k])
+    return tuple(to_placements(t, program, program.required(d)) for t, d in zip(out, demands))
+
+
+def _reduced(src: Placements, dst: Placements, steps: Sequence[CommStep]) -> list[Placements]:
+    """The placements after each of ``steps`` (reductions of ``src -> dst``): the mesh
+    dims a step reduces become ``Replicate`` (all-reduce) or their ``dst`` (reduce-scatter)."""
+    now, out = list(src), []
+    for step in steps:
+        for d in group_of(step):
+            now[d] = Replicate() if step.kind == "all_reduce" else dst[d]
+        out.append(tuple(now))
+    return out
 
 
 def _run_node(

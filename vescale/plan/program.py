@@ -22,8 +22,8 @@ from vescale.plan.cost import (
     AlphaBeta,
     CommStep,
     bucket_copy_s,
-    bucketed_step,
-    flat_bucketed_step,
+    bucketed_steps,
+    flat_bucketed_steps,
     flattened_steps,
     group_of,
     redistribution_steps,
@@ -78,13 +78,12 @@ class PlacedProgram:
                 return b
         raise AssertionError("no option of a demand is chosen")
 
-    def bucketed(self, demand: Demand, src: Placements, dst: Placements) -> bool:
-        """Whether ``demand``'s ``src -> dst`` is issued with its bucket's others
-        (:func:`vescale.plan.cost.bucketed_step`)."""
+    def bucketed(self, demand: Demand, src: Placements, dst: Placements) -> tuple[CommStep, ...]:
+        """The collectives of ``demand``'s ``src -> dst`` issued with its bucket's others
+        (:func:`vescale.plan.cost.bucketed_steps`; ``()``: none)."""
         if demand.bucket is None or src == dst:
-            return False
-        step = _bucketed_step(self.mesh, demand.bucket, demand.value, src, dst, self.flat)
-        return step is not None
+            return ()
+        return _bucketed_steps(self.mesh, demand.bucket, demand.value, src, dst, self.flat)
 
     def steps(self, value: Value, src: Placements, dst: Placements) -> list[CommStep]:
         return _steps(self.mesh, value, src, dst, self.flat) or []
@@ -137,14 +136,13 @@ def _steps(
     return steps(src, dst, tuple(t.shape), t.element_size(), tuple(mesh.shape))
 
 
-def _bucketed_step(
+def _bucketed_steps(
     mesh: DeviceMesh, bucket: str, value: Value, src: Placements, dst: Placements, flat: bool
-) -> CommStep | None:
+) -> tuple[CommStep, ...]:
     t = _val(value)
     shape, itemsize = tuple(t.shape), t.element_size()
-    if flat:
-        return flat_bucketed_step(bucket, src, dst, shape, itemsize, tuple(mesh.shape))
-    return bucketed_step(bucket, src, dst, shape, itemsize, tuple(mesh.shape))
+    steps = flat_bucketed_steps if flat else bucketed_steps
+    return steps(bucket, src, dst, shape, itemsize, tuple(mesh.shape))
 
 
 def place(
@@ -235,14 +233,12 @@ def place(
         return (work + sum(step_time(alpha_beta, c) for c in inside)) * 1e6
 
     def latency(bucket: str, value: Value, a: Placements, b: Placements) -> dict[Any, float]:
-        step = _bucketed_step(mesh, bucket, value, a, b, flat)
-        if step is None:
-            return {}
-        return {(step.kind, group_of(step)): alpha_beta.latency(step) * 1e6}
+        steps = _bucketed_steps(mesh, bucket, value, a, b, flat)
+        return {(s.kind, group_of(s)): alpha_beta.latency(s) * 1e6 for s in steps}
 
     def packing(bucket: str, value: Value, a: Placements, b: Placements) -> float:
-        step = _bucketed_step(mesh, bucket, value, a, b, flat)
-        return 0.0 if step is None else bucket_copy_s(alpha_beta, step) * 1e6
+        steps = _bucketed_steps(mesh, bucket, value, a, b, flat)
+        return sum(bucket_copy_s(alpha_beta, s) for s in steps) * 1e6
 
     problem = Problem(table, demands, cost, compute, pair_costs, latency, memory, packing)
     solve = solve_global if solver == "global" else solve_greedy

@@ -10,6 +10,7 @@ not depend on any graph input are constants, computed replicated on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 from dataclasses import dataclass, field
@@ -182,8 +183,10 @@ def propagate(
     an input whose placements the solver chooses (:class:`vescale.plan.Batch`), or, when
     absent, every placement of :func:`free_candidates`). Getitem nodes are not listed: consumers
     read ``(tuple node, index)`` directly. Ops a vescale handler runs get the strategies it
-    declares (:func:`_handler_strategies`)."""
+    declares (:func:`_handler_strategies`). A node whose :func:`_signature` an earlier one
+    has (a repeated layer's twin) takes that node's strategies without asking the registry."""
     table: dict[torch.fx.Node, NodeStrategies] = {}
+    seen: dict[Any, NodeStrategies] = {}  # by _signature
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             val = node.meta.get("val")
@@ -208,19 +211,65 @@ def propagate(
             if not _depends_on_inputs(node, table):
                 table[node] = _replicated(node, [], mesh, "constant")
                 continue
-            try:
-                found = _registry_strategies(node, table, mesh)
-                why = "no strategy in the registry"
-            except Exception as err:  # a rule that cannot handle these arguments
-                found, why = (
-                    None,
-                    f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
-                )
-            if found is None:
+            key = _signature(node, table)
+            known = seen.get(key) if key is not None else None
+            if known is not None:  # a repeated layer's twin: its strategies, this node's inputs
                 _, _, inputs = _schema_args(node, table, mesh)
-                found = _replicated(node, inputs, mesh, f"replicated fallback: {why}")
-            table[node] = _handler_strategies(found, mesh, table)
+                table[node] = dataclasses.replace(known, node=node, inputs=inputs, candidates={})
+                continue
+            table[node] = _node_strategies(node, table, mesh)
+            if key is not None:
+                seen[key] = table[node]
     return table
+
+
+def _node_strategies(
+    node: torch.fx.Node, table: dict[torch.fx.Node, NodeStrategies], mesh: DeviceMesh
+) -> NodeStrategies:
+    """The strategies of a ``call_function`` node from the registry (the replicated fallback
+    where it has none or its rule fails), a handler's declared ones included."""
+    try:
+        found = _registry_strategies(node, table, mesh)
+        why = "no strategy in the registry"
+    except Exception as err:  # a rule that cannot handle these arguments
+        found, why = (
+            None,
+            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+        )
+    if found is None:
+        _, _, inputs = _schema_args(node, table, mesh)
+        found = _replicated(node, inputs, mesh, f"replicated fallback: {why}")
+    return _handler_strategies(found, mesh, table)
+
+
+def _signature(node: torch.fx.Node, table: dict[torch.fx.Node, NodeStrategies]) -> Any:
+    """All ``node``'s strategies depend on: its op, its output metadata, its other arguments
+    and, per tensor argument, its candidate placements, metadata and which earlier argument
+    it repeats. Nodes of repeated layers share it; ``None`` when an argument is unhashable."""
+    values: list[Value] = []
+
+    def sig(a: Any) -> Any:
+        if isinstance(a, list | tuple):
+            return (type(a).__name__, *(sig(x) for x in a))
+        if not isinstance(a, torch.fx.Node):
+            return a
+        val = a.meta.get("val")
+        meta = tensor_meta(val)
+        if meta is None:
+            return ("value", val)
+        value = value_of(a)
+        first = values.index(value) if value in values else len(values)
+        values.append(value)
+        return ("tensor", first, meta, tuple(table[value[0]].out_candidates(value[1])))
+
+    val = node.meta.get("val")
+    out = tuple(map(tensor_meta, val)) if isinstance(val, tuple | list) else tensor_meta(val)
+    key = (node.target, sig(node.args), sig(tuple(sorted(node.kwargs.items()))), out)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def flat_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
