@@ -90,7 +90,10 @@ def redistribution_steps(
     all-reduce, ``-> Shard``: a reduce-scatter; from ``Replicate``: a local slice, free."""
     if any(isinstance(a, Partial) and isinstance(b, Partial) and a != b for a, b in zip(src, dst)):
         return None
-    infos = _transform_infos(tuple(src), tuple(dst), shape, mesh_shape)
+    strided = any(isinstance(p, StridedShard) for p in (*src, *dst))
+    # upstream's greedy plan (no strided shard) reads the shape only for its logical shapes
+    plan_shape = shape if strided else (math.prod(mesh_shape),) * len(shape)
+    infos = _transform_infos(tuple(src), tuple(dst), plan_shape, mesh_shape)
     if infos is None:
         return None
     steps: list[CommStep] = []

@@ -215,6 +215,7 @@ def place(
         penalty = DP_GATHER_PENALTY_US if activation and _gathers(steps, dp_dims) else 0.0
         return penalty + sum(step_time(alpha_beta, s) for s in steps) * 1e6
 
+    @functools.cache  # the greedy pass, the program and the objective ask again
     def compute(node: torch.fx.Node, s: int) -> float:
         ns = table[node]
         if ns.source in ("plan", "free", "constant", "input"):
@@ -232,12 +233,21 @@ def place(
         work = strategy_compute_s(alpha_beta, node, out, tuple(mesh.shape), held)
         return (work + sum(step_time(alpha_beta, c) for c in inside)) * 1e6
 
+    @functools.cache  # values of one shape share them
+    def bucket_steps(
+        bucket: str, shape: tuple[int, ...], itemsize: int, a: Placements, b: Placements
+    ) -> tuple[CommStep, ...]:
+        steps = flat_bucketed_steps if flat else bucketed_steps
+        return steps(bucket, a, b, shape, itemsize, tuple(mesh.shape))
+
     def latency(bucket: str, value: Value, a: Placements, b: Placements) -> dict[Any, float]:
-        steps = _bucketed_steps(mesh, bucket, value, a, b, flat)
+        t = _val(value)
+        steps = bucket_steps(bucket, tuple(t.shape), t.element_size(), a, b)
         return {(s.kind, group_of(s)): alpha_beta.latency(s) * 1e6 for s in steps}
 
     def packing(bucket: str, value: Value, a: Placements, b: Placements) -> float:
-        steps = _bucketed_steps(mesh, bucket, value, a, b, flat)
+        t = _val(value)
+        steps = bucket_steps(bucket, tuple(t.shape), t.element_size(), a, b)
         return sum(bucket_copy_s(alpha_beta, s) for s in steps) * 1e6
 
     problem = Problem(table, demands, cost, compute, pair_costs, latency, memory, packing)
