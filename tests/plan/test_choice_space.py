@@ -189,6 +189,40 @@ def test_infeasible_budget_names_the_smallest_that_fits(pool4):
         place(joint, mesh, free, None, COSTS, buckets=True, memory_budget=least - 1)
 
 
+def test_budget_branches_on_the_relaxations_fractional_nodes(monkeypatch):
+    """A budget makes the LP relaxation fractional; branching over its fractional nodes alone
+    (the rest held as the LP chose) finds a choice within 1% of branch and bound over every
+    node, which fits (meta mesh, the GPT above with vocab 64, budget twice its parameters)."""
+    import gpt
+
+    import vescale.plan.solve as solve
+    from vescale.plan.batch import batch_choices
+
+    mesh = vescale.DeviceMesh("meta", torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp"))
+    cfg = _cfg(64)
+    example, model = gpt.batch(cfg, 0), gpt.build(cfg)
+    joint = capture_joint(model, example)
+    nparams = len(list(model.parameters()))
+    free = {
+        ph: batch_choices("x", FREE, t, mesh)
+        for ph, t in zip(joint.placeholder_names[nparams:], example)
+    }
+    budget = 2 * _param_bytes(model)
+    fixed = place(joint, mesh, free, None, COSTS, buckets=True, memory_budget=budget)
+    branch = solve._branch
+    monkeypatch.setattr(  # the heuristic finds nothing: every node is branched on
+        solve,
+        "_branch",
+        lambda lp, *a, fixed=None: (None, None, False) if fixed is not None else branch(lp, *a),
+    )
+    full = place(joint, mesh, free, None, COSTS, buckets=True, memory_budget=budget)
+    assert fixed.solution is not None and full.solution is not None
+    assert fixed.solution.status == "branch and bound over the LP's fractional nodes"
+    assert full.solution.status == "branch and bound"
+    assert fixed.solution.objective_us <= full.solution.objective_us * 1.01
+    assert fixed.memory is not None and fixed.memory.of(fixed.chosen)["total"] <= budget
+
+
 @pytest.mark.parametrize(
     ("spec", "shape", "message"),
     [

@@ -1,9 +1,10 @@
 """Choose one strategy per node: globally (an integer program over the whole joint graph) or
 greedily (each node in order, cheapest given its producers' choices, as eager dispatch does).
 
-The integer program (solved by HiGHS through ``scipy.optimize.milp``; its LP relaxation first,
-which on the graphs measured so far is already integral, then branch and bound only if it is
-not): a binary ``x[n, s]`` per node and strategy, one per node; per edge (producer value ->
+The integer program (solved by HiGHS through ``scipy``; its LP relaxation first, which on the
+graphs measured without a memory budget is integral; a budget makes it fractional: then branch
+and bound over the nodes it left fractional, the others held as it chose them, and over every
+node only if that finds nothing): a binary ``x[n, s]`` per node and strategy, one per node; per edge (producer value ->
 consumer input) a variable ``y[a, b]`` per pair of producer placements ``a`` and required
 placements ``b`` with cost ``c(a -> b)``, tied to both ends by
 ``sum_b y[a, b] = sum_{s: out(s)=a} x[p, s]`` and ``sum_a y[a, b] = sum_{t: in(t)=b} x[c, t]``.
@@ -352,25 +353,13 @@ def solve_global(problem: Problem, time_limit_s: float = TIME_LIMIT_S) -> Soluti
         bound = float(result.fun)  # no choice is cheaper
         if not np.any((result.x > 1e-6) & (result.x < 1 - 1e-6)):
             x = result.x
-    if x is None:  # a fractional relaxation: branch and bound
-        n = len(lp.costs)
-        constraints = [scipy.optimize.LinearConstraint(lp.matrix(), lp.rhs, lp.rhs)]
-        if a_ub is not None:
-            constraints.append(scipy.optimize.LinearConstraint(a_ub, -np.inf, b_ub))
-        mip = scipy.optimize.milp(
-            np.asarray(lp.costs),
-            # integral choices make every pair and bucket variable integral: y is the one
-            # pair of the chosen ends, z the largest y paying it
-            integrality=(np.arange(n) < lp.num_x).astype(int),
-            constraints=constraints,
-            bounds=scipy.optimize.Bounds(0, 1),
-            options={"time_limit": max(deadline - time.monotonic(), 10.0), "mip_rel_gap": MIP_GAP},
-        )
-        x = mip.x
-        status = {0: "branch and bound", 1: "branch and bound, stopped at its time limit"}.get(
-            mip.status, mip.message
-        )
-        bound = getattr(mip, "mip_dual_bound", bound)
+    if x is None and result.status == 0:  # fractional: branch on its fractional nodes only
+        x, _, _ = _branch(lp, a_ub, b_ub, deadline, fixed=result.x)
+        status = "branch and bound over the LP's fractional nodes"
+    if x is None:  # branch and bound over every node
+        x, dual, stopped = _branch(lp, a_ub, b_ub, deadline)
+        status = "branch and bound" + (", stopped at its time limit" if stopped else "")
+        bound = dual if dual is not None else bound
     pairs = (len(lp.pairs), sum(edge.cost.size for edge in edges))
     chosen = (
         None
@@ -389,6 +378,37 @@ def solve_global(problem: Problem, time_limit_s: float = TIME_LIMIT_S) -> Soluti
         greedy.bound_us, greedy.greedy_us, greedy.pairs = bound, greedy.objective_us, pairs
         return greedy
     return Solution(chosen, status, value, bound, greedy.objective_us, pairs)
+
+
+def _branch(
+    lp: _Program, a_ub: Any, b_ub: Any, deadline: float, fixed: np.ndarray | None = None
+) -> tuple[np.ndarray | None, float | None, bool]:
+    """Branch and bound (HiGHS' ``milp``) on ``lp``'s node variables: the solution (``None``:
+    none found), HiGHS' lower bound, whether it stopped at its time limit. With ``fixed`` (an
+    LP relaxation's solution) every node variable integral there is held at its value, so the
+    search runs over the nodes it left fractional: a heuristic, fast where few are (no choice
+    of those may fit: ``None``)."""
+    import scipy.optimize
+
+    n = len(lp.costs)
+    lower, upper = np.zeros(n), np.ones(n)
+    if fixed is not None:
+        node = np.arange(n) < lp.num_x
+        at_one, at_zero = node & (fixed > 1 - 1e-6), node & (fixed < 1e-6)
+        lower[at_one], upper[at_zero] = 1.0, 0.0
+    constraints = [scipy.optimize.LinearConstraint(lp.matrix(), lp.rhs, lp.rhs)]
+    if a_ub is not None:
+        constraints.append(scipy.optimize.LinearConstraint(a_ub, -np.inf, b_ub))
+    mip = scipy.optimize.milp(
+        np.asarray(lp.costs),
+        # integral choices make every pair and bucket variable integral: y is the one pair
+        # of the chosen ends, z the largest y paying it
+        integrality=(np.arange(n) < lp.num_x).astype(int),
+        constraints=constraints,
+        bounds=scipy.optimize.Bounds(lower, upper),
+        options={"time_limit": max(deadline - time.monotonic(), 10.0), "mip_rel_gap": MIP_GAP},
+    )
+    return mip.x, getattr(mip, "mip_dual_bound", None), mip.status == 1
 
 
 def solve_greedy(problem: Problem) -> Solution:
