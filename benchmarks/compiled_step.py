@@ -225,6 +225,7 @@ class _Mode:
     loss: float | None  # the first step's global loss (None: a per-rank loss)
     collectives: int
     nbytes: int
+    build_s: float = 0.0  # building the mode (for the plan path: capture, propagate, solve)
     times: list[float] = field(default_factory=list)
 
 
@@ -243,7 +244,10 @@ def _prepare(
     """Build a mode and run its three warm-up steps inside ``scope`` (compiles happen there);
     ``loss_value`` reads the first loss, ``is_collective`` names the events counted."""
     with scope or contextlib.nullcontext():
+        dist.barrier()
+        t0 = time.perf_counter()
         model, opt, batches = build()
+        built = time.perf_counter() - t0
 
         def step(i: int = 0) -> Any:
             loss = model(*batches[i % len(batches)])
@@ -259,7 +263,7 @@ def _prepare(
         value = loss_value(loss)
         step(1)
         step(2)
-        return _Mode(step, first, value, *_count(step, is_collective))
+        return _Mode(step, first, value, *_count(step, is_collective), build_s=built)
 
 
 def _time_interleaved(modes: dict[str, _Mode], steps: int) -> None:
