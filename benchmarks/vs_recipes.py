@@ -1,15 +1,19 @@
 """The plan path with an empty plan and a free batch against hand-written upstream recipes.
 
-    torchrun --standalone --nproc-per-node 4 benchmarks/vs_recipes.py [--cfg tiny|medium] [--steps 10]
+    torchrun --standalone --nproc-per-node 4 benchmarks/vs_recipes.py \\
+        [--cfg tiny|medium|hf-llama] [--steps 10]
 
-The plain GPT of ``examples/gpt.py`` (global batch 8; a step is forward, backward and SGD):
+The plain GPT of ``examples/gpt.py`` (``tiny``, ``medium``), or transformers'
+``LlamaForCausalLM`` (``hf-llama``: vocab 256, hidden 64, 2 layers, sequence 32, the loss
+from ``labels`` only, as the model is written); global batch 8; a step is forward, backward
+and SGD:
 
 * ``upstream DDP-4 + inductor``: ``torch.nn.parallel.DistributedDataParallel`` over the world,
   ``torch.compile`` (Inductor), each rank feeding its batch shard;
 * ``upstream FSDP2-4 + inductor``: ``fully_shard`` per block and at the root over the world,
   each block compiled with Inductor;
 * ``upstream TP+FSDP2 2-D``: the torchtitan-style recipe of ``benchmarks/compiled_step.py``
-  (tensor parallel over tp, FSDP2 over dp, blocks compiled with Inductor);
+  (tensor parallel over tp, FSDP2 over dp, blocks compiled with Inductor; the GPT only);
 * ``parallelize, empty plan``: ``vescale.parallelize(model, mesh, {}, inputs=[Batch("dp",
   "tp")] * 2)`` with calibrated costs: the solver chooses every placement;
 * ``parallelize, empty plan, budget``: the same with ``memory_budget`` = the leanest choice's
@@ -32,6 +36,7 @@ import os
 import statistics
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -51,43 +56,114 @@ import gpt
 import vescale
 from vescale.plan import Batch, calibrate
 
-CONFIGS = {
-    "tiny": gpt.GPTConfig(vocab=128, seq=32, dim=64, heads=4, layers=4),
-    "medium": gpt.GPTConfig(vocab=1024, seq=128, dim=256, heads=8, layers=4),
-}
+
+@dataclass(frozen=True)
+class Model:
+    """A benchmarked model: its builder, step ``i``'s global batch, its repeated blocks
+    (FSDP2 shards each) and whether the torchtitan-style GPT recipe applies."""
+
+    name: str
+    build: Callable[[], torch.nn.Module]
+    batch: Callable[[int], tuple[torch.Tensor, ...]]
+    blocks: Callable[[Any], Any]
+    titan: gpt.GPTConfig | None = None
+
+
+def _gpt(cfg: gpt.GPTConfig) -> Model:
+    return Model(
+        f"GPT {cfg}",
+        lambda: gpt.build(cfg),
+        lambda i: gpt.batch(cfg, i),
+        lambda m: m.blocks,
+        titan=cfg,
+    )
+
+
+class _LabelsOnly(torch.nn.Module):
+    """A Hugging Face causal LM's loss as a training loop asks for it (labels only)."""
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, labels=labels).loss
+
+
+def _hf_llama() -> Model:
+    """transformers' ``LlamaForCausalLM`` (vocab 256, hidden 64, 2 layers), sequence 32."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return _LabelsOnly(transformers.LlamaForCausalLM(cfg))
+
+    def batch(i: int) -> tuple[torch.Tensor, ...]:
+        ids = torch.randint(0, 256, (BATCH, 32), generator=torch.Generator().manual_seed(i))
+        return ids, ids
+
+    return Model(
+        "HF LlamaForCausalLM (vocab 256, hidden 64, 2 layers)",
+        build,
+        batch,
+        lambda m: m.lm.model.layers,
+    )
+
+
 BATCH = 8
+CONFIGS: dict[str, Callable[[], Model]] = {
+    "tiny": lambda: _gpt(gpt.GPTConfig(vocab=128, seq=32, dim=64, heads=4, layers=4)),
+    "medium": lambda: _gpt(gpt.GPTConfig(vocab=1024, seq=128, dim=256, heads=8, layers=4)),
+    "hf-llama": _hf_llama,
+}
 Step = compiled_step.Step
 _summaries: dict[str, str] = {}
 
 
-def _my_rows(cfg: gpt.GPTConfig, i: int, ranks: int, rank: int) -> tuple[torch.Tensor, ...]:
+def _my_rows(model: Model, i: int, ranks: int, rank: int) -> tuple[torch.Tensor, ...]:
     rows = BATCH // ranks
-    return tuple(a[rank * rows : (rank + 1) * rows] for a in gpt.batch(cfg, i))
+    return tuple(a[rank * rows : (rank + 1) * rows] for a in model.batch(i))
 
 
-def _ddp(cfg: gpt.GPTConfig) -> Step:
-    model = torch.compile(UpstreamDDP(gpt.build(cfg)), backend="inductor")
+def _ddp(spec: Model) -> Step:
+    model = torch.compile(UpstreamDDP(spec.build()), backend="inductor")
     world, rank = dist.get_world_size(), dist.get_rank()
-    batches = [_my_rows(cfg, i, world, rank) for i in range(4)]
+    batches = [_my_rows(spec, i, world, rank) for i in range(4)]
     return model, torch.optim.SGD(model.parameters(), lr=0.1), batches
 
 
-def _block_forward(self: gpt.Block, x: torch.Tensor) -> torch.Tensor:
-    """``gpt.Block.forward`` under a code object of its own: Dynamo keys compiled code by
-    the frame's code, and the 2-D recipe compiles ``gpt.Block.forward`` for its DTensors."""
-    return gpt.Block.forward(self, x)
+def _own_forward(block: torch.nn.Module) -> None:
+    """The block's forward under a code object of its own: Dynamo keys compiled code by the
+    frame's code, and the 2-D recipe compiles ``gpt.Block.forward`` for its DTensors."""
+    forward = type(block).forward
+
+    def own(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return forward(self, *args, **kwargs)
+
+    block.forward = own.__get__(block)  # type: ignore[method-assign]
 
 
-def _fsdp(cfg: gpt.GPTConfig) -> Step:
+def _fsdp(spec: Model) -> Step:
     mesh = upstream_init_device_mesh("cpu", (dist.get_world_size(),))
-    model = gpt.build(cfg)
-    for block in model.blocks:
-        block.forward = _block_forward.__get__(block)  # type: ignore[method-assign]
+    model = spec.build()
+    for block in spec.blocks(model):
+        _own_forward(block)
         block.compile(backend="inductor")
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     world, rank = dist.get_world_size(), dist.get_rank()
-    batches = [_my_rows(cfg, i, world, rank) for i in range(4)]
+    batches = [_my_rows(spec, i, world, rank) for i in range(4)]
     return model, torch.optim.SGD(model.parameters(), lr=0.1), batches
 
 
@@ -96,14 +172,14 @@ def _titan(cfg: gpt.GPTConfig) -> Step:
     return compiled_step._titan_step()
 
 
-def _plan(cfg: gpt.GPTConfig, mesh: Any, name: str, budget: int | None) -> Step:
+def _plan(spec: Model, mesh: Any, name: str, budget: int | None) -> Step:
     free = Batch("dp", "tp")
     model = vescale.parallelize(
-        gpt.build(cfg),
+        spec.build(),
         mesh,
         {},
         inputs=[free, free],
-        example_inputs=gpt.batch(cfg, 0),
+        example_inputs=spec.batch(0),
         alpha_beta=calibrate(mesh),
         memory_budget=budget,
     )
@@ -112,7 +188,7 @@ def _plan(cfg: gpt.GPTConfig, mesh: Any, name: str, budget: int | None) -> Step:
     _summaries[name + " memory"] = report.memory  # type: ignore[assignment]
     assert model.program.memory is not None
     _summaries[name + " least"] = str(model.program.memory.least())
-    return model, torch.optim.SGD(model.parameters(), lr=0.1), [gpt.batch(cfg, i) for i in range(4)]
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), [spec.batch(i) for i in range(4)]
 
 
 def _global_loss(loss: torch.Tensor) -> float:
@@ -142,41 +218,43 @@ def main() -> None:
     parser.add_argument("--cfg", choices=sorted(CONFIGS), default="tiny")
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
-    cfg = CONFIGS[args.cfg]
+    spec = CONFIGS[args.cfg]()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=900))
     mesh = vescale.init_device_mesh(
         "cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp")
     )
-    ref = gpt.build(cfg)(*gpt.batch(cfg, 0)).item()  # one device, first step's loss
+    ref = spec.build()(*spec.batch(0)).item()  # one device, first step's loss
     modes: dict[str, compiled_step._Mode] = {
-        "upstream DDP-4 + inductor": _prepare(lambda: _ddp(cfg)),
-        "upstream FSDP2-4 + inductor": _prepare(lambda: _fsdp(cfg)),
-        "upstream TP+FSDP2 2-D": _prepare(lambda: _titan(cfg)),
+        "upstream DDP-4 + inductor": _prepare(lambda: _ddp(spec)),
+        "upstream FSDP2-4 + inductor": _prepare(lambda: _fsdp(spec)),
     }
+    if spec.titan is not None:
+        titan = spec.titan
+        modes["upstream TP+FSDP2 2-D"] = _prepare(lambda: _titan(titan))
     free, budgeted = "parallelize, empty plan", "parallelize, empty plan, budget"
-    modes[free] = _prepare(lambda: _plan(cfg, mesh, free, None))
+    modes[free] = _prepare(lambda: _plan(spec, mesh, free, None))
     need: Any = _summaries[free + " memory"]
     state = need["parameters"] + need["gradients"] + need["optimizer"]  # replicated
     # the leanest choice plus a quarter of the replicated state: every choice that keeps
     # the parameters replicated holds all of it, so only sharded ones fit
     budget = int(_summaries[free + " least"]) + state // 4  # type: ignore[call-overload]
-    modes[budgeted] = _prepare(lambda: _plan(cfg, mesh, budgeted, budget))
+    modes[budgeted] = _prepare(lambda: _plan(spec, mesh, budgeted, budget))
     bad = {n: m.loss for n, m in modes.items() if abs(m.loss - ref) > 1e-5 * max(abs(ref), 1)}  # type: ignore[operator]
     if bad:
         raise AssertionError(f"first-step losses differ from one device's {ref}: {bad}")
     compiled_step._time_interleaved(modes, args.steps)
     if dist.get_rank() == 0:
-        _print(cfg, modes, ref, need["total"], budget)
+        _print(spec, modes, ref, need["total"], budget)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def _print(
-    cfg: gpt.GPTConfig, modes: dict[str, compiled_step._Mode], ref: float, need: int, budget: int
+    spec: Model, modes: dict[str, compiled_step._Mode], ref: float, need: int, budget: int
 ) -> None:
     med = {n: statistics.median(m.times) for n, m in modes.items()}
-    print(f"GPT {cfg}, batch {BATCH}, 4 gloo CPU ranks, SGD step; one-device loss {ref:.6f}")
+    print(f"{spec.name}, batch {BATCH}, 4 gloo CPU ranks, SGD step; one-device loss {ref:.6f}")
     print("| mode | step ms | colls/step | KiB/step | build + first step s | loss 0 |")
     print("|---|---|---|---|---|---|")
     for n, m in modes.items():
