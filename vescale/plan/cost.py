@@ -130,6 +130,7 @@ def _meta_mesh(mesh_shape: tuple[int, ...]) -> DeviceMesh:
     return DeviceMesh("meta", torch.arange(math.prod(mesh_shape)).reshape(mesh_shape))
 
 
+@functools.lru_cache(maxsize=65536)  # pure; the solver asks per value of a shape
 def bucketed_steps(
     bucket: str,
     src: Placements,
@@ -233,6 +234,7 @@ def bucket_copy_s(ab: AlphaBeta, step: CommStep) -> float:
     return 2 * copied * ab.gamma
 
 
+@functools.lru_cache(maxsize=65536)
 def flat_bucketed_steps(
     bucket: str,
     src: Placements,

@@ -108,17 +108,17 @@ def _outputs(program: PlacedProgram, values: list[Any]) -> tuple[Any, ...]:
     """The output leaves in their demanded placements: the bucketed gradients' reductions
     first (every gradient's first reduction, then every second one), then every local move."""
     demands = program.demands[-len(values) :]
+    wanted = [program.required(d) for d in demands]
     stages: list[list[Placements]] = []
-    for t, demand in zip(values, demands):
+    for t, demand, dst in zip(values, demands, wanted):
         src = tuple(t.placements) if isinstance(t, _UpstreamDTensor) else None
-        steps = program.bucketed(demand, src, program.required(demand)) if src else ()
-        stages.append(_reduced(src, program.required(demand), steps) if src else [])
+        stages.append(_reduced(src, dst, program.bucketed(demand, src, dst)) if src else [])
     out = list(values)
     for k in range(max(map(len, stages), default=0)):
         for i, after in enumerate(stages):
             if k < len(after):
                 out[i] = out[i].redistribute(program.mesh, after[k])
-    return tuple(to_placements(t, program, program.required(d)) for t, d in zip(out, demands))
+    return tuple(to_placements(t, program, dst) for t, dst in zip(out, wanted))
 
 
 def _reduced(src: Placements, dst: Placements, steps: Sequence[CommStep]) -> list[Placements]:

@@ -233,21 +233,12 @@ def place(
         work = strategy_compute_s(alpha_beta, node, out, tuple(mesh.shape), held)
         return (work + sum(step_time(alpha_beta, c) for c in inside)) * 1e6
 
-    @functools.cache  # values of one shape share them
-    def bucket_steps(
-        bucket: str, shape: tuple[int, ...], itemsize: int, a: Placements, b: Placements
-    ) -> tuple[CommStep, ...]:
-        steps = flat_bucketed_steps if flat else bucketed_steps
-        return steps(bucket, a, b, shape, itemsize, tuple(mesh.shape))
-
     def latency(bucket: str, value: Value, a: Placements, b: Placements) -> dict[Any, float]:
-        t = _val(value)
-        steps = bucket_steps(bucket, tuple(t.shape), t.element_size(), a, b)
+        steps = _bucketed_steps(mesh, bucket, value, a, b, flat)
         return {(s.kind, group_of(s)): alpha_beta.latency(s) * 1e6 for s in steps}
 
     def packing(bucket: str, value: Value, a: Placements, b: Placements) -> float:
-        t = _val(value)
-        steps = bucket_steps(bucket, tuple(t.shape), t.element_size(), a, b)
+        steps = _bucketed_steps(mesh, bucket, value, a, b, flat)
         return sum(bucket_copy_s(alpha_beta, s) for s in steps) * 1e6
 
     problem = Problem(table, demands, cost, compute, pair_costs, latency, memory, packing)
