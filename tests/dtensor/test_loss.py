@@ -11,7 +11,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import vescale
 from tests.dtensor.reference import compared, local_dtensor
 from tests.harness.collectives import count_collectives
-from vescale import Partial, Replicate, Shard
+from vescale import InterleavedShard, Partial, Replicate, Shard
 
 LOSSES = {
     "mse": F.mse_loss,
@@ -151,3 +151,33 @@ def _check_nll_whole_target():
 
 def test_nll_loss_with_the_whole_target_needs_no_collective(pool4):
     pool4.run(_check_nll_whole_target)
+
+
+def _check_cross_entropy_of_flattened_logits():
+    """The training loop's ``cross_entropy(logits.view(-1, V), labels.view(-1))`` with the
+    batch over dp and the sequence over tp, ignored labels unevenly spread: the flattened
+    rows are ``(Shard(0), Shard(0))`` (one sequence per dp rank; upstream says
+    ``_StridedShard(0, split_factor=1)``) or interleaved (two per dp rank). Both take the
+    global-mean handler (upstream's ``Partial("avg")`` of local means was wrong here, ``nan``
+    where a rank held only ignored labels); loss and gradient equal one device's."""
+    g = torch.Generator().manual_seed(4)
+    mesh = vescale.init_device_mesh("cpu", (2, 2))
+    for batch, flat in ((2, (Shard(0), Shard(0))), (4, (Shard(0), InterleavedShard(0, 2)))):
+        logits = torch.randn(batch, 8, 16, generator=g, dtype=torch.float64)
+        labels = torch.randint(0, 16, (batch, 8), generator=g)
+        labels[0, :6], labels[-1, 5:] = -100, -100
+        ref_x = logits.clone().requires_grad_(True)
+        ref = F.cross_entropy(ref_x.view(-1, 16), labels.view(-1))
+        ref.backward()
+        dx = vescale.distribute_tensor(logits, mesh, [Shard(0), Shard(1)]).requires_grad_(True)
+        dt = vescale.distribute_tensor(labels, mesh, [Shard(0), Shard(1)])
+        rows = dx.view(-1, 16)
+        assert tuple(rows.placements) == flat, rows.placements
+        loss = F.cross_entropy(rows, dt.view(-1))
+        loss.backward()
+        torch.testing.assert_close(loss.full_tensor(), ref.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(dx.grad.full_tensor(), ref_x.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_cross_entropy_of_flattened_batch_and_sequence_shards(pool4):
+    pool4.run(_check_cross_entropy_of_flattened_logits)

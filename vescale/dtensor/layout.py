@@ -32,6 +32,7 @@ __all__ = [
     "local_indices",
     "local_range",
     "sharding_mesh_dims",
+    "shards",
 ]
 
 
@@ -57,9 +58,15 @@ def contiguous_shards(placements: Sequence[Placement]) -> bool:
     return all(interleave_factor(p) is None for p in placements)
 
 
+def shards(p: Placement, dim: int) -> bool:
+    """Whether ``p`` shards tensor dim ``dim``, contiguously or interleaved (upstream's
+    ``_StridedShard.is_shard`` says no)."""
+    return p.is_shard(dim) or (isinstance(p, StridedShard) and p.dim == dim)
+
+
 def sharding_mesh_dims(mesh: Any, placements: Sequence[Placement], dim: int) -> list[int]:
-    """Mesh dims (of more than one rank) that shard tensor dim ``dim``."""
-    return [i for i, p in enumerate(placements) if p.is_shard(dim) and mesh.size(i) > 1]
+    """Mesh dims (of more than one rank) that shard tensor dim ``dim``, interleaved or not."""
+    return [i for i, p in enumerate(placements) if shards(p, dim) and mesh.size(i) > 1]
 
 
 def _coordinate(mesh: Any, coordinate: Sequence[int] | None, what: str) -> list[int]:

@@ -32,6 +32,7 @@ from vescale.dtensor.layout import (
     contiguous_shards,
     local_range,
     sharding_mesh_dims,
+    shards,
 )
 from vescale.dtensor.op_args import bind, unbind
 from vescale.dtensor.ops._registry import (
@@ -248,18 +249,20 @@ def _sum_partial(p: Placement) -> bool:
 def _nll_strategy(
     op: torch._ops.OpOverload, a: dict[str, Any]
 ) -> tuple[HandlerStrategy, ...] | None:
-    """On ``(N, C)`` / ``(C,)`` input sharded (contiguous shards) or Partial over some mesh
-    dim, target and weight DTensors: the target follows the input's batch sharding and is
-    replicated elsewhere, the weight replicated (see above for the outputs). Beside it, for
-    a batch-sharded input and ``mean``/``sum``: the whole target (replicated), its rows
-    sliced locally and the total weight counted from all of it, so no collective."""
+    """On ``(N, C)`` / ``(C,)`` input sharded (the class dim in contiguous shards; the batch
+    dim interleaved too, as a flattened ``(batch, seq)`` split over two mesh dims is) or
+    Partial over some mesh dim, target and weight DTensors: the target follows the input's
+    batch sharding and is replicated elsewhere, the weight replicated (see above for the
+    outputs). Beside it, for a batch-sharded input in contiguous shards and ``mean``/``sum``:
+    the whole target (replicated), its rows sliced locally and the total weight counted
+    from all of it, so no collective."""
     x, weight, reduction = a["self"], a["weight"], a["reduction"]
     if not (
         _is_spec(x)
         and _is_spec(a["target"])
         and (weight is None or _is_spec(weight))
         and x.ndim in (1, 2)
-        and contiguous_shards(x.placements)
+        and contiguous_shards([p for p in x.placements if shards(p, x.ndim - 1)])
         and any(not p.is_replicate() and x.mesh.size(i) > 1 for i, p in enumerate(x.placements))
         and all(_sum_partial(p) for p in x.placements if p.is_partial())
     ):
@@ -267,8 +270,9 @@ def _nll_strategy(
     mesh = x.mesh
     rep: Placements = (Replicate(),) * mesh.ndim
     batch = sharding_mesh_dims(mesh, x.placements, 0) if x.ndim == 2 else []
-    target = tuple(p if x.ndim == 2 and p.is_shard(0) else Replicate() for p in x.placements)
-    whole = bool(batch) and reduction != NONE  # the replicated-target alternative applies
+    target = tuple(p if x.ndim == 2 and shards(p, 0) else Replicate() for p in x.placements)
+    # the replicated-target alternative (rows sliced by offset) needs contiguous batch shards
+    whole = bool(batch) and reduction != NONE and contiguous_shards(x.placements)
     inputs: dict[str, Placements | None] = {"self": tuple(x.placements), "target": target}
     if weight is not None:
         inputs["weight"] = rep

@@ -143,8 +143,32 @@ def _nested_empty(spec: DTensorSpec) -> bool:
     return any(sum(p.is_shard(d) for p in spec.placements) > 1 for d in empty_shard_dims(spec))
 
 
+def _unit_strides_plain(out: Any) -> Any:
+    """``out`` with upstream's ``_StridedShard(d, split_factor=1)`` (a flattened dim whose
+    leading part has one element per shard) as the ``Shard(d)`` it is, so handlers that need
+    contiguous shards (the loss's batch rows) take it and equal layouts compare equal."""
+    if not isinstance(out, OpStrategy):
+        return out
+
+    def plain(spec: DTensorSpec) -> DTensorSpec:
+        if not any(isinstance(p, StridedShard) and p.split_factor == 1 for p in spec.placements):
+            return spec
+        placements = tuple(
+            Shard(p.dim) if isinstance(p, StridedShard) and p.split_factor == 1 else p
+            for p in spec.placements
+        )
+        return DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
+
+    for s in out.strategies:
+        s.output_specs = plain(s.output_spec)
+    return out
+
+
 def _retrying(upstream: Callable[[OpSchema], Any]) -> Callable[[OpSchema], Any]:
     def strategy(schema: OpSchema) -> Any:
+        return _unit_strides_plain(_first_that_views(schema))
+
+    def _first_that_views(schema: OpSchema) -> Any:
         first = schema.args_schema[0]
         spec = (
             first.strategies[0].output_spec
