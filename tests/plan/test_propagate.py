@@ -49,3 +49,37 @@ def test_reused_strategies_equal_the_registry_node_by_node(monkeypatch: pytest.M
         ), node.name
     assert len(asked) == len(ops)  # without reuse every op is asked
     assert n_asked < 0.6 * len(ops), (n_asked, len(ops))  # the second block's ops reused
+
+
+class _Heads(torch.nn.Module):
+    """A projection's output viewed as heads: ``(8, 32, 32) -> (8, 32, 2, 16)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 32, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.w.view(8, 32, -1, 16) * x).sum()
+
+
+def test_a_view_keeps_the_strategies_its_rule_accepts():
+    """The view rule raises for a layout the view cannot take (dim 2, 32 rows, split 4 ways
+    into heads of 16: ``(S(2), S(2))``); the node keeps every other layout's strategies
+    (asked one at a time) instead of falling back to replicated: the batch split over both
+    mesh dims among them."""
+    from vescale.plan.capture import capture_joint
+
+    mesh = vescale.DeviceMesh("meta", torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp"))
+    joint = capture_joint(_Heads(), [torch.randn(8, 32, 2, 16)])
+    rep = (vescale.Replicate(), vescale.Replicate())
+    table = prop_module.propagate(joint.gm, mesh, {joint.placeholder_names[1]: rep})
+    (view,) = [  # the forward's view of the weight
+        n
+        for n in table
+        if n.target is torch.ops.aten.view.default and n.args[0].op == "placeholder"
+    ]
+    ns = table[view]
+    assert ns.source == "registry", ns.source
+    layouts = {ins[0] for ins in ns.input_placements}
+    s0, s2 = vescale.Shard(0), vescale.Shard(2)
+    assert {(s0, s0), rep} <= layouts and (s2, s2) not in layouts, layouts

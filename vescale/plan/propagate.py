@@ -107,9 +107,13 @@ def _replicated(
 
 
 def _schema_args(
-    node: torch.fx.Node, table: dict[torch.fx.Node, NodeStrategies], mesh: DeviceMesh
+    node: torch.fx.Node,
+    table: dict[torch.fx.Node, NodeStrategies],
+    mesh: DeviceMesh,
+    only: Placements | None = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any], list[Value]]:
-    """``node``'s args with each tensor input an ``OpStrategy`` over its producer's placements."""
+    """``node``'s args with each tensor input an ``OpStrategy`` over its producer's placements
+    (``only``: that one placement, for a node with one tensor input)."""
     inputs: list[Value] = []
 
     def strategy(arg: Any) -> Any:
@@ -122,7 +126,7 @@ def _schema_args(
         if meta is None:
             return arg.meta.get("val")
         inputs.append(value)
-        cands = table[value[0]].out_candidates(value[1])
+        cands = table[value[0]].out_candidates(value[1]) if only is None else [only]
         return OpStrategy([OpSpec(DTensorSpec(mesh, p, meta)) for p in cands])
 
     args = tuple(strategy(a) for a in node.args)
@@ -136,9 +140,12 @@ def _specs(spec: Any) -> tuple[Placements | None, ...]:
 
 
 def _registry_strategies(
-    node: torch.fx.Node, table: dict[torch.fx.Node, NodeStrategies], mesh: DeviceMesh
+    node: torch.fx.Node,
+    table: dict[torch.fx.Node, NodeStrategies],
+    mesh: DeviceMesh,
+    only: Placements | None = None,
 ) -> NodeStrategies | None:
-    args, kwargs, inputs = _schema_args(node, table, mesh)
+    args, kwargs, inputs = _schema_args(node, table, mesh, only)
     val = node.meta.get("val")
     out_meta: Any = (
         tuple(tensor_meta(v) for v in val) if isinstance(val, tuple | list) else tensor_meta(val)
@@ -233,13 +240,38 @@ def _node_strategies(
         why = "no strategy in the registry"
     except Exception as err:  # a rule that cannot handle these arguments
         found, why = (
-            None,
+            _each_candidate(node, table, mesh),
             f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
         )
     if found is None:
         _, _, inputs = _schema_args(node, table, mesh)
         found = _replicated(node, inputs, mesh, f"replicated fallback: {why}")
     return _handler_strategies(found, mesh, table)
+
+
+def _each_candidate(
+    node: torch.fx.Node, table: dict[torch.fx.Node, NodeStrategies], mesh: DeviceMesh
+) -> NodeStrategies | None:
+    """For a node with one tensor input whose rule raised for some of its candidates (a view
+    a shard layout cannot take): the strategies of every candidate the rule accepts, asked
+    one candidate at a time (``None``: it accepts none, or the node has more inputs)."""
+    tensors = [a for a in flat_inputs(node)]
+    if len({value_of(a) for a in tensors}) != 1:
+        return None
+    value = value_of(tensors[0])
+    outputs, input_placements, inputs = [], [], []
+    for candidate in table[value[0]].out_candidates(value[1]):
+        try:
+            found = _registry_strategies(node, table, mesh, only=candidate)
+        except Exception:  # this candidate: the rule's failure
+            continue
+        if found is not None:
+            outputs += found.outputs
+            input_placements += found.input_placements
+            inputs = found.inputs
+    if not outputs:
+        return None
+    return NodeStrategies(node, inputs, outputs, input_placements, "registry")
 
 
 def _signature(node: torch.fx.Node, table: dict[torch.fx.Node, NodeStrategies]) -> Any:
