@@ -1,11 +1,12 @@
 """The plan path with an empty plan and a free batch against hand-written upstream recipes.
 
     torchrun --standalone --nproc-per-node 4 benchmarks/vs_recipes.py \\
-        [--cfg tiny|medium|hf-llama] [--steps 10]
+        [--cfg tiny|medium|hf-llama|hf-llama-tiny] [--steps 10]
 
 The plain GPT of ``examples/gpt.py`` (``tiny``, ``medium``), or transformers'
 ``LlamaForCausalLM`` (``hf-llama``: vocab 256, hidden 64, 2 layers, sequence 32, the loss
-from ``labels`` only, as the model is written); global batch 8; a step is forward, backward
+from ``labels`` only, as the model is written; ``hf-llama-tiny``: hidden 32, 1 layer, as
+``tests/plan/test_llama_plan.py`` builds it); global batch 8; a step is forward, backward
 and SGD:
 
 * ``upstream DDP-4 + inductor``: ``torch.nn.parallel.DistributedDataParallel`` over the world,
@@ -90,15 +91,15 @@ class _LabelsOnly(torch.nn.Module):
         return self.lm(input_ids=ids, labels=labels).loss
 
 
-def _hf_llama() -> Model:
-    """transformers' ``LlamaForCausalLM`` (vocab 256, hidden 64, 2 layers), sequence 32."""
+def _hf_llama(hidden: int, layers: int) -> Model:
+    """transformers' ``LlamaForCausalLM`` (vocab 256, 4 heads, 2 key/value heads), sequence 32."""
     import transformers
 
     cfg = transformers.LlamaConfig(
         vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
@@ -114,7 +115,7 @@ def _hf_llama() -> Model:
         return ids, ids
 
     return Model(
-        "HF LlamaForCausalLM (vocab 256, hidden 64, 2 layers)",
+        f"HF LlamaForCausalLM (vocab 256, hidden {hidden}, {layers} layer{'s' * (layers > 1)})",
         build,
         batch,
         lambda m: m.lm.model.layers,
@@ -125,7 +126,9 @@ BATCH = 8
 CONFIGS: dict[str, Callable[[], Model]] = {
     "tiny": lambda: _gpt(gpt.GPTConfig(vocab=128, seq=32, dim=64, heads=4, layers=4)),
     "medium": lambda: _gpt(gpt.GPTConfig(vocab=1024, seq=128, dim=256, heads=8, layers=4)),
-    "hf-llama": _hf_llama,
+    "hf-llama": lambda: _hf_llama(64, 2),
+    # the configuration of tests/plan/test_llama_plan.py
+    "hf-llama-tiny": lambda: _hf_llama(32, 1),
 }
 Step = compiled_step.Step
 _summaries: dict[str, str] = {}

@@ -12,6 +12,9 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # The plan path's calibration cache (vescale/cost/calibration.py) in a folder of this session's
 # own, inherited by the worker pools: tests neither read nor leave constants in ~/.cache/vescale.
 os.environ.setdefault("VESCALE_CACHE_DIR", tempfile.mkdtemp(prefix="vescale-test-cache-"))
+# Every test solves its plan (vescale/plan/cache.py is off): a test's report is its own solve's,
+# whichever test placed the same problem first; tests/plan/test_plan_cache.py turns it on.
+os.environ.setdefault("VESCALE_PLAN_CACHE", "0")
 # The example models (examples/gpt.py, examples/train_demo.py) are test subjects too; worker
 # processes inherit this path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))

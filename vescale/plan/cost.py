@@ -92,22 +92,38 @@ def redistribution_steps(
         return None
     strided = any(isinstance(p, StridedShard) for p in (*src, *dst))
     # upstream's greedy plan (no strided shard) reads the shape only for its logical shapes
-    plan_shape = shape if strided else (math.prod(mesh_shape),) * len(shape)
-    infos = _transform_infos(tuple(src), tuple(dst), plan_shape, mesh_shape)
+    plan = _collectives(tuple(src), tuple(dst), shape if strided else len(shape), mesh_shape)
+    if plan is None:
+        return None
+    numel = math.prod(shape)
+    return [
+        CommStep(kind, i, n, math.ceil(numel / shards) * itemsize) for kind, i, n, shards in plan
+    ]
+
+
+@functools.lru_cache(maxsize=65536)
+def _collectives(
+    src: Placements, dst: Placements, shape: tuple[int, ...] | int, mesh_shape: tuple[int, ...]
+) -> tuple[tuple[str, int, int, int], ...] | None:
+    """Per collective of ``src -> dst``: (kind, mesh dim, group size, the number of shards
+    its input is one of: a rank holds ``ceil(numel / shards)`` elements then). ``shape``: the
+    tensor's, or its rank where the plan does not depend on it."""
+    plan_shape = shape if isinstance(shape, tuple) else (math.prod(mesh_shape),) * shape
+    infos = _transform_infos(src, dst, plan_shape, mesh_shape)
     if infos is None:
         return None
-    steps: list[CommStep] = []
+    out = []
     cur = list(src)
     for i, (a, b) in infos:  # each collective's input: this rank's local tensor then
         n = mesh_shape[i]
         if not isinstance(a, Replicate) and n > 1:
-            held = local_bytes(tuple(cur), shape, itemsize, mesh_shape)
+            shards = math.prod(m for p, m in zip(cur, mesh_shape) if _is_shard(p))
             kind = "all_gather"
             if isinstance(a, Partial):
                 kind = "all_reduce" if isinstance(b, Replicate) else "reduce_scatter"
-            steps.append(CommStep(kind, i, n, held))
+            out.append((kind, i, n, shards))
         cur[i] = b
-    return steps
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=65536)

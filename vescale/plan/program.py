@@ -17,6 +17,7 @@ from vescale import _progress
 from vescale._torch_compat import pytree
 from vescale.dtensor.flat_groups import flatten_mesh_dims, flattened_mesh
 from vescale.dtensor.op_args import bind
+from vescale.plan.cache import cached
 from vescale.plan.capture import JointGraph
 from vescale.plan.cost import (
     AlphaBeta,
@@ -242,7 +243,11 @@ def place(
         return sum(bucket_copy_s(alpha_beta, s) for s in steps) * 1e6
 
     problem = Problem(table, demands, cost, compute, pair_costs, latency, memory, packing)
-    solve = solve_global if solver == "global" else solve_greedy
+    solve = cached(
+        solve_global if solver == "global" else solve_greedy,
+        f"{solver} {alpha_beta!r} mesh={tuple(mesh.shape)} flat={flat} dp={sorted(dp_dims)} "
+        f"activations={sorted(n.name for n in activations)}",
+    )
     solution = solve_once(solve, problem, solving_group(mesh))  # rank 0's, when it spans the world
     check_budget(memory, solution.chosen)  # every rank holds the same choice: the same error
     timings = {"propagate": propagated - start, "solve": time.perf_counter() - propagated}
