@@ -6,9 +6,10 @@ one-element adds (the per-op overhead), 8 matmuls of 256x256x256 and 8 element-w
 multiplies of 4 MiB, each sample long enough that a shared CPU's time slicing is in it, as
 it is in a training step. Then, after a barrier (so no rank waits for another's compute),
 ``TRIALS`` interleaved rounds of all-reduces of 1 KiB and 4 MiB over each mesh dim's group
-and over the whole mesh (a flattened group, 2+ dims), and a reduce-scatter and an all-gather
-of 4 MiB over the widest of these groups (each kind's seconds per wire byte over the 4 MiB
-all-reduce's there, timed in the same rounds, rounded to a power of 2: ``CostModel.kinds``). Each rank takes the median of each
+and over the whole mesh (a flattened group, 2+ dims), and an all-reduce, a reduce-scatter and
+an all-gather of 32 MiB (a bucket's size) over the widest of these groups (each kind's seconds
+per wire byte over that all-reduce's, timed in the same rounds, rounded to a power of 2:
+``CostModel.kinds``). Each rank takes the median of each
 probe; the ranks agree on the maximum of the medians (one all-reduce), so every rank holds
 identical constants; ``alpha``/``beta`` come from the two sizes (``alpha + beta * wire``),
 and every constant is rounded to a power of ``2 ** (1/4)``
@@ -45,13 +46,17 @@ __all__ = ["TRIALS", "cache_path", "calibrate", "calibrated"]
 
 TRIALS = 25
 SIZES = (256, 1 << 20)  # float32 elements of the small and the large all-reduce
+# float32 elements of the kinds' probes (reduce-scatter's input, all-gather's output, an
+# all-reduce's): a bucket's size, where gloo's all-gather and reduce-scatter cost 3-4x an
+# all-reduce per wire byte on a 2-core machine (4 MiB: about 1-2x)
+KINDS_SIZE = 1 << 23
 _MM = 256  # matmul side
 # Compute probes run ~5-10 ms of work per sample, several scheduler time slices: on a CPU
 # shared with other processes their median includes the share of time the process is not
 # running, as a training step's ops do (a probe shorter than a slice would not).
 _ADDS = 1000  # one-element adds per sample of the per-op overhead
 _REPEAT = 8  # matmuls / multiplies per sample
-_FORMAT = 5  # of the cache file; a change invalidates every file
+_FORMAT = 6  # of the cache file; a change invalidates every file
 _cache: dict[str, CostModel] = {}
 _by_shape: dict[tuple[tuple[int, ...], str], CostModel] = {}  # for readers off the mesh
 
@@ -161,16 +166,19 @@ def _measure(mesh: DeviceMesh) -> CostModel:
     for _, group, _ in groups:
         for buf in bufs:
             probes.append(functools.partial(dist.all_reduce, buf, group=group))
-    _, widest, n = groups[-1]  # the other kinds: the large size over the widest group
-    full, shard = torch.ones(SIZES[1]), torch.ones(SIZES[1] // n)
+    _, widest, n = groups[-1]  # the other kinds: against an all-reduce, at bucket size
+    full, shard = torch.ones(KINDS_SIZE), torch.ones(KINDS_SIZE // n)
+    probes.append(functools.partial(dist.all_reduce, full, group=widest))
     probes.append(functools.partial(dist.reduce_scatter_single, shard, full, group=widest))
     probes.append(functools.partial(dist.all_gather_single, full, shard, group=widest))
     for probe in probes:  # warm-up
         probe()
     samples: list[list[float]] = [[] for _ in probes]
-    # compute first, then (after a barrier) collectives: a collective timed right after a
-    # long compute probe would wait for the slowest rank's probe, not for the network
-    for phase in (range(3), range(3, len(probes))):
+    # compute, then (after a barrier) the groups' all-reduces, then the kinds' probes: a
+    # probe timed right after a long one (a compute probe, a 32 MiB collective) would wait
+    # for the slowest rank to finish that one, not for the network
+    kinds = len(probes) - 3
+    for phase in (range(3), range(3, kinds), range(kinds, len(probes))):
         dist.barrier()
         for _ in range(TRIALS):  # interleaved: a load change affects every probe alike
             for i in phase:
@@ -190,12 +198,11 @@ def _measure(mesh: DeviceMesh) -> CostModel:
     per_dim = fits[: mesh.ndim]
     # each kind's time per wire byte over the all-reduce's, both at the large size over the
     # widest group, timed in the same rounds: a ratio, steady under a load that slows both
-    reduce_s = t[-3]  # the widest group's large all-reduce (its probes precede these two)
-    per_byte = reduce_s / wire_bytes("all_reduce", n, SIZES[1] * 4)
+    per_byte = t[-3] / wire_bytes("all_reduce", n, KINDS_SIZE * 4)
     factors = []
     for kind, seconds, nbytes in (
-        ("reduce_scatter", t[-2], SIZES[1] * 4),
-        ("all_gather", t[-1], SIZES[1] // n * 4),
+        ("reduce_scatter", t[-2], KINDS_SIZE * 4),
+        ("all_gather", t[-1], KINDS_SIZE // n * 4),
     ):
         ratio = seconds / wire_bytes(kind, n, nbytes) / per_byte
         factors.append((kind, quantize(ratio, steps_per_octave=1)))  # a power of 2

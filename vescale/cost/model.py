@@ -101,8 +101,9 @@ class CostModel:
     (s per byte of memory traffic), ``flops_rate`` (FLOP/s of matrix products), ``op_s``
     (launch overhead per op, s); ``groups``: ``(dims, alpha, beta)`` of flattened groups;
     ``kinds``: ``(kind, factor)``: a kind's seconds per wire byte as a multiple of the
-    all-reduce's ``beta`` (the backend's implementation: gloo's reduce-scatter costs about
-    an all-reduce, not the half its ring wire says); 1 for a kind not listed."""
+    all-reduce's ``beta``, measured at a bucket's size (the backend's implementation: gloo's
+    reduce-scatter and all-gather of 32 MiB cost 3-4x an all-reduce per wire byte on a
+    2-core machine, not what their ring wire says); 1 for a kind not listed."""
 
     alpha: tuple[float, ...]
     beta: tuple[float, ...]
