@@ -49,6 +49,27 @@ def test_negative_dim_view_backward(pool2, fn_name, dim, arg, placements):
 PLACEMENTS = [Replicate(), Shard(0), Shard(1), Partial()]
 
 
+def _check_empty_reshapes():
+    """Reshapes of empty tensors in every layout: upstream's ``view_groups`` never returns
+    for ``(2, 0) -> (0, 2)`` (every rank hung); explicit mode on, nothing to redistribute."""
+    mesh = mesh_of((2,))
+    for placements in ([Shard(0)], [Replicate()], [Partial()]):
+        for shape, size in (((2, 0), (0, 2)), ((0, 3), (3, 0)), ((4, 0, 2), (2, 0, 4))):
+            if placements == [Partial()]:
+                dt = vescale.from_local(torch.empty(shape), mesh, placements, run_check=False)
+            else:
+                dt = vescale.distribute_tensor(torch.empty(shape), mesh, placements)
+            with count_collectives() as counts:
+                for out in (dt.view(size), dt.reshape(size)):
+                    assert out.shape == torch.Size(size), (placements, shape, out.shape)
+                    assert out.to_local().numel() == 0
+            assert sum(counts.values()) == 0, (placements, shape, dict(counts))
+
+
+def test_reshapes_of_empty_tensors_return(pool2):
+    pool2.run(_check_empty_reshapes, timeout_s=120)
+
+
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
 def test_meta_mesh_redistributes_shapes_only(mesh_shape):
     """Every pair of placements on a meta mesh: local meta tensors of this rank's shard

@@ -33,6 +33,7 @@ from vescale._torch_compat import (
     OpStrategy,
     StridedShard,
     disable_current_modes,
+    redistribute_cost,
 )
 from vescale.dtensor.layout import empty_shard_dims, local_indices
 from vescale.dtensor.ops._registry import wrap_upstream_strategy
@@ -143,6 +144,29 @@ def _nested_empty(spec: DTensorSpec) -> bool:
     return any(sum(p.is_shard(d) for p in spec.placements) > 1 for d in empty_shard_dims(spec))
 
 
+def _of_empty(schema: OpSchema) -> OpStrategy | None:
+    """A reshape of an empty tensor: every input layout as it is (each shard empty), the
+    output replicated (nothing to lay out). Upstream's ``view_groups`` never returns for some
+    such shapes (``(2, 0)`` viewed as ``(0, 2)``): every rank would hang in it."""
+    first = schema.args_schema[0]
+    if schema.op is aten.expand.default or not isinstance(first, OpStrategy):
+        return None
+    meta = first.strategies[0].output_spec.tensor_meta
+    if meta is None or math.prod(meta.shape) != 0:
+        return None
+    specs = [s.output_spec for s in first.strategies]
+    return OpStrategy(
+        [
+            OpSpec(
+                output_specs=DTensorSpec(spec.mesh, (Replicate(),) * spec.mesh.ndim),
+                input_specs=(spec,),
+                redistribute_cost=[[redistribute_cost(src, spec) for src in specs]],
+            )
+            for spec in specs
+        ]
+    )
+
+
 def _unit_strides_plain(out: Any) -> Any:
     """``out`` with upstream's ``_StridedShard(d, split_factor=1)`` (a flattened dim whose
     leading part has one element per shard) as the ``Shard(d)`` it is, so handlers that need
@@ -169,6 +193,9 @@ def _retrying(upstream: Callable[[OpSchema], Any]) -> Callable[[OpSchema], Any]:
         return _unit_strides_plain(_first_that_views(schema))
 
     def _first_that_views(schema: OpSchema) -> Any:
+        empty = _of_empty(schema)
+        if empty is not None:
+            return empty
         first = schema.args_schema[0]
         spec = (
             first.strategies[0].output_spec
