@@ -14,7 +14,9 @@ rank's elements to its own is refused like an error. Here the strategy is retrie
 input's interleaved shards made plain, then with the input replicated on the fewest mesh
 dims that make it work (each one alone, innermost first, then all): the dispatcher
 redistributes the input to it (or raises in explicit mode), and every view the strategy
-accepts is unchanged.
+accepts is unchanged. A reshape of an empty tensor is answered here (upstream's
+``view_groups`` never returns for some zero-size shapes); upstream's
+``_StridedShard(d, split_factor=1)`` outputs are stated as the ``Shard(d)`` they are.
 """
 
 from __future__ import annotations
