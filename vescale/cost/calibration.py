@@ -42,7 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from vescale._env import env_flag
 from vescale.cost.model import CostModel, default_cost_model, quantize, wire_bytes
 
-__all__ = ["TRIALS", "cache_path", "calibrate", "calibrated"]
+__all__ = ["TRIALS", "cache_path", "cache_root", "calibrate", "calibrated", "write_atomic"]
 
 TRIALS = 25
 SIZES = (256, 1 << 20)  # float32 elements of the small and the large all-reduce
@@ -93,9 +93,22 @@ def _backend(mesh: DeviceMesh) -> str:
     return by_device.get(mesh.device_type, config)
 
 
+def cache_root() -> Path:
+    """vescale's on-disk cache folder: ``$VESCALE_CACHE_DIR``, default ``~/.cache/vescale``."""
+    return Path(os.environ.get("VESCALE_CACHE_DIR") or Path.home() / ".cache" / "vescale")
+
+
 def cache_path(key: str) -> Path:
-    root = os.environ.get("VESCALE_CACHE_DIR") or Path.home() / ".cache" / "vescale"
-    return Path(root) / f"calibration-{key}.json"
+    return cache_root() / f"calibration-{key}.json"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """``text`` into ``path`` (its folder made): written beside it, then renamed over it, so
+    a reader (another rank, another run) never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _key(mesh: DeviceMesh, backend: str) -> str:
@@ -126,7 +139,6 @@ def _read(path: Path) -> CostModel | None:
 
 
 def _write(path: Path, model: CostModel) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = {
         "alpha": model.alpha,
         "beta": model.beta,
@@ -137,9 +149,7 @@ def _write(path: Path, model: CostModel) -> None:
         "kinds": [[k, f] for k, f in model.kinds],
         "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=1) + "\n")
 
 
 def _timed(fn: Callable[[], object]) -> float:

@@ -15,10 +15,10 @@ calibration. ``VESCALE_PLAN_CACHE=0`` solves every time (strictly parsed: ``1/0`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from vescale._env import env_flag
+from vescale.cost.calibration import cache_root, write_atomic
 from vescale.plan.solve import Problem, Solution
 
 __all__ = ["cache_key", "cached", "read", "write"]
@@ -91,8 +92,7 @@ def cache_key(problem: Problem, what: str) -> str | None:
 
 
 def _path(key: str) -> Path:
-    root = os.environ.get("VESCALE_CACHE_DIR") or Path.home() / ".cache" / "vescale"
-    return Path(root) / "plans" / f"{key}.json"
+    return cache_root() / "plans" / f"{key}.json"
 
 
 def read(key: str, problem: Problem) -> Solution | None:
@@ -130,13 +130,8 @@ def write(key: str, problem: Problem, solution: Solution) -> None:
         "greedy_us": solution.greedy_us,
         "pairs": list(solution.pairs),
     }
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data) + "\n")
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        write_atomic(path, json.dumps(data) + "\n")
 
 
 def cached(solve: Callable[[Problem], Solution], what: str) -> Callable[[Problem], Solution]:

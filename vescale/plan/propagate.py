@@ -255,7 +255,7 @@ def _each_candidate(
     """For a node with one tensor input whose rule raised for some of its candidates (a view
     a shard layout cannot take): the strategies of every candidate the rule accepts, asked
     one candidate at a time (``None``: it accepts none, or the node has more inputs)."""
-    tensors = [a for a in flat_inputs(node)]
+    tensors = flat_inputs(node)
     if len({value_of(a) for a in tensors}) != 1:
         return None
     value = value_of(tensors[0])

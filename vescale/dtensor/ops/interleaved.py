@@ -33,6 +33,7 @@ from vescale._torch_compat import (
     StridedShard,
     redistribute_cost,
 )
+from vescale.dtensor.layout import shards
 from vescale.dtensor.op_args import bind
 from vescale.dtensor.ops._registry import PROPAGATOR, wrap_upstream_strategy
 from vescale.dtensor.placement_types import Placement, Shard
@@ -49,7 +50,7 @@ def _sharding(spec: DTensorSpec, dim: int) -> tuple[int, int] | None:
     found = [
         (m, int(p.split_factor) if isinstance(p, StridedShard) else 1)
         for m, p in enumerate(spec.placements)
-        if isinstance(p, Shard | StridedShard) and p.dim == dim
+        if shards(p, dim)
     ]
     if len(found) != 1:
         return None
