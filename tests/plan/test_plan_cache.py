@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.misuse import error_everywhere
 from tests.plan.test_choice_space import COSTS, _meta_problem, _param_bytes
 from vescale.plan.program import place
 
@@ -85,3 +86,19 @@ def test_a_later_process_reads_the_entry(tmp_path):
     assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
     first, second = (r.stdout.strip().splitlines()[-1] for r in runs)
     assert second == f"{first} (cached)", (first, second)
+
+
+def _place_on_two_ranks() -> None:
+    from tests.plan.test_calibration import _choice
+
+    _choice(COSTS)
+
+
+def test_a_wrong_value_is_one_error_on_every_rank(pool2):
+    """Rank 0 reads the variable where it solves for every rank: the others get its error,
+    the same text, within seconds (no rank waits in the broadcast)."""
+    error = error_everywhere(
+        pool2, _place_on_two_ranks, env={"VESCALE_PLAN_CACHE": "maybe"}, timeout_s=120
+    )
+    assert error.kind == "PlanError", error
+    assert "VESCALE_PLAN_CACHE='maybe' is not a boolean" in error.message, error
