@@ -107,10 +107,13 @@ __all__ = [
     "gen_transform_infos",
     "get_proxy_mode",
     "get_proxy_slot",
+    "inductor_cache_key",
     "inductor_pieces",
+    "load_inductor_graph",
     "make_boxed_func",
     "maybe_run_for_local_tensor",
     "mesh_scatter",
+    "plain_aot_forward",
     "pytree",
     "redistribute_cost",
     "register_backend",
@@ -178,6 +181,69 @@ def inductor_pieces() -> tuple[Any, Any, Any]:
     from torch._inductor.decomposition import select_decomp_table
 
     return compile_fx_inner, select_decomp_table, min_cut_rematerialization_partition
+
+
+def inductor_cache_key(compiled: Any) -> tuple[str, list[str]] | None:
+    """(FX graph cache key, its debug lines) of a ``compile_fx_inner`` output; ``None`` when
+    Inductor bypassed its cache (nothing was stored to load later)."""
+    key = getattr(compiled, "_fx_graph_cache_key", None)
+    if key is None:
+        return None
+    return key, list(getattr(compiled, "_fx_graph_cache_debug_lines", None) or [])
+
+
+def plain_aot_forward() -> bool:
+    """Inside an AOTAutograd forward compiler: whether AOTAutograd wraps the compiled forward
+    in nothing but a call (no mutated input, no output that aliases an input or another
+    output, no effect tokens, no RNG state, no tensor subclass), so the compiled graph called
+    on the same inputs is the whole step."""
+    from torch._functorch._aot_autograd.schemas import OutputType, PlainTensorMeta
+
+    context = TracingContext.try_get()
+    meta = None if context is None else context.fw_metadata
+    return bool(
+        meta is not None
+        and not meta.mutated_inp_runtime_indices
+        and all(o.output_type == OutputType.non_alias for o in meta.output_info)
+        and meta.num_intermediate_bases == 0
+        and not meta.tokens
+        and meta.num_graphsafe_rng_states == 0
+        and meta.subclass_inp_meta is not None
+        and all(isinstance(m, int | PlainTensorMeta) for m in meta.subclass_inp_meta)
+    )
+
+
+def load_inductor_graph(key: str, debug_lines: list[str], examples: Sequence[Any]) -> Any | None:
+    """The graph Inductor compiled and stored in its FX graph cache under ``key`` (a
+    ``compile_fx_inner`` output's ``_fx_graph_cache_key``), post-compiled as
+    ``compile_fx_inner`` with its default keywords would return it (boxed: called with a list
+    of tensors); ``None`` when the cache no longer holds it. ``examples``: fake inputs of a mode
+    with a shape env, inside a tracing context."""
+    from torch._inductor.codecache import FxGraphCache
+    from torch._inductor.compile_fx import _CompileFxKwargs
+    from torch._inductor.output_code import CompiledFxGraphConstants
+    from torch._inductor.utils import BoxedBool
+
+    constants = CompiledFxGraphConstants()
+    graph, _ = FxGraphCache.load_with_key(
+        key, debug_lines, examples, True, None, is_backward=False, constants=constants
+    )
+    if graph is None:
+        return None
+    kwargs: _CompileFxKwargs = {
+        "cudagraphs": BoxedBool(False),
+        "static_input_idxs": (),
+        "is_backward": False,
+        "graph_id": None,
+        "cpp_wrapper": False,
+        "fx_wrapper": False,
+        "is_inference": False,
+        "boxed_forward_device_index": None,
+        "layout_opt": None,
+        "extern_node_serializer": None,
+    }
+    graph.post_compile(examples, constants, kwargs)
+    return graph
 
 
 # Private attributes (not importable names) we read or set:

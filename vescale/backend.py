@@ -34,8 +34,11 @@ from vescale import _progress
 from vescale._torch_compat import (
     DYNAMO_COMPILER_FNS,
     aot_autograd,
+    inductor_cache_key,
     inductor_pieces,
+    load_inductor_graph,
     make_boxed_func,
+    plain_aot_forward,
     register_backend,
 )
 from vescale.dtensor._recording import recording
@@ -63,7 +66,10 @@ __all__ = [
     "PASSES_OFF",
     "BackendOptions",
     "CompiledGraph",
+    "InductorForward",
     "capture_graphs",
+    "compile_or_load",
+    "record_inductor_forwards",
     "register",
     "vescale_backend",
 ]
@@ -127,6 +133,34 @@ def capture_graphs() -> Iterator[list[CompiledGraph]]:
         _captures.remove(graphs)
 
 
+class InductorForward(NamedTuple):
+    """A forward graph Inductor compiled into its FX graph cache, as :func:`compile_or_load`
+    loads it again: the cache ``key`` and ``debug_lines``, the rank check's ``sequence``, the
+    number of ``inputs`` it takes, and ``plain``: AOTAutograd wraps it in nothing but a call
+    (so loading the graph alone gives the same step)."""
+
+    key: str
+    debug_lines: list[str]
+    sequence: list[str]
+    inputs: int
+    plain: bool
+
+
+_forwards: list[list[InductorForward]] = []
+
+
+@contextlib.contextmanager
+def record_inductor_forwards() -> Iterator[list[InductorForward]]:
+    """Within the block, every forward graph compiled by Inductor into its cache is appended
+    to the yielded list."""
+    forwards: list[InductorForward] = []
+    _forwards.append(forwards)
+    try:
+        yield forwards
+    finally:
+        _forwards.remove(forwards)
+
+
 def _graph_compiler(opts: BackendOptions, name: str, calls: Sequence[str] = ()) -> Any:
     """The AOT compiler of graph ``name``; ``calls``: the Dynamo graph's ``from_local`` calls,
     compared across ranks (with the collectives) before the forward graph's first run."""
@@ -147,9 +181,13 @@ def _graph_compiler(opts: BackendOptions, name: str, calls: Sequence[str] = ()) 
         for graphs in _captures:
             graphs.append(CompiledGraph(name, gm, ctx))
         compiled = _codegen(gm, example_inputs, opts, name)
-        if not opts.rank_check:
-            return compiled
-        return _rank_checked(compiled, name, [*calls, *ctx.reports["fingerprint"]])
+        sequence = [*calls, *ctx.reports["fingerprint"]]
+        cached = inductor_cache_key(compiled) if name.endswith(".forward") else None
+        if cached is not None:
+            forward = InductorForward(*cached, sequence, len(example_inputs), plain_aot_forward())
+            for forwards in _forwards:
+                forwards.append(forward)
+        return _rank_checked(compiled, name, sequence) if opts.rank_check else compiled
 
     return compile_graph
 
@@ -191,14 +229,53 @@ def vescale_backend(
     Bad options and a bad ``VESCALE_DISABLE_REDISTRIBUTE`` raise ``ValueError`` here, before
     anything can fall back (Dynamo reports it as ``BackendCompilerFailed`` at the first call)."""
     opts = BackendOptions.resolve(options)
-    explicit = (
-        explicit_state()
-        if opts.explicit is None
-        else (opts.explicit, f"the vescale backend option explicit={opts.explicit}")
-    )
+    explicit = _explicit(opts)
     if opts.eager:
         return gm.forward
+    return _compile(gm, example_inputs, opts, next(_graph_ids), explicit)
+
+
+def compile_or_load(
+    gm: torch.fx.GraphModule,
+    example_inputs: list[Any],
+    options: dict[str, Any] | None,
+    forward: InductorForward,
+) -> Any:
+    """:func:`vescale_backend` of ``gm``, whose forward Inductor compiled before as
+    ``forward`` (a plain one, on inputs like these): that graph loaded from Inductor's cache,
+    rank-checked as compiling it would be, called with the inputs unboxed; compiled as usual
+    when the cache no longer holds it (a stage line saying so, then the compile's)."""
+    opts = BackendOptions.resolve(options)
+    explicit = _explicit(opts)
     gid = next(_graph_ids)
+    name = f"graph{gid}.forward"
+    with _progress.stage(f"compile {name}") as stage:
+        loaded = load_inductor_graph(forward.key, forward.debug_lines, example_inputs)
+        stage.detail = "not in Inductor's cache" if loaded is None else "Inductor's cached code"
+    if loaded is None:
+        return _compile(gm, example_inputs, opts, gid, explicit)
+    boxed = _rank_checked(loaded, name, forward.sequence) if opts.rank_check else loaded
+
+    def step(*args: Any) -> Any:
+        with torch.no_grad():  # as AOTAutograd runs an inference graph
+            return boxed(list(args))
+
+    return step
+
+
+def _explicit(opts: BackendOptions) -> tuple[bool, str]:
+    if opts.explicit is None:
+        return explicit_state()
+    return opts.explicit, f"the vescale backend option explicit={opts.explicit}"
+
+
+def _compile(
+    gm: torch.fx.GraphModule,
+    example_inputs: list[Any],
+    opts: BackendOptions,
+    gid: int,
+    explicit: tuple[bool, str],
+) -> Any:
     extra: dict[str, Any] = {}
     if opts.codegen == "inductor":  # Inductor lowers only its own decomposed op set
         _, select_decomp_table, min_cut_rematerialization_partition = inductor_pieces()

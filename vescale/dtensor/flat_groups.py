@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from vescale._torch_compat import disable_current_modes
 
-__all__ = ["flatten_mesh_dims", "flattened_mesh"]
+__all__ = ["flatten_mesh_dims", "flattened_mesh", "flattened_meshes"]
 
 # per mesh *object* (equal meshes are distinct roots to upstream's flatten mapping)
 _flattened: dict[int, tuple[weakref.ref[Any], dict[tuple[int, ...], Any]]] = {}
@@ -51,6 +51,12 @@ def flattened_mesh(mesh: Any, mesh_dims: Sequence[int]) -> Any:
             flat = mesh[names]._flatten()
     known[dims] = flat
     return flat
+
+
+def flattened_meshes(mesh: Any) -> dict[tuple[int, ...], Any]:
+    """The flattened meshes of ``mesh`` created so far, by mesh dims (``None``: none can be);
+    creates nothing."""
+    return dict(_known(mesh))
 
 
 def flatten_mesh_dims(mesh: Any) -> None:

@@ -189,20 +189,44 @@ class PlannedModule(nn.Module):
             if not self._compile:
                 self._step = placed_joint_step
             else:
-                from vescale.backend import vescale_backend
-
                 graph = torch.fx.Graph()
                 phs = [graph.placeholder(f"arg{i}") for i in range(len(flat))]
                 graph.output(graph.call_function(placed_joint_step, tuple(phs)))
                 gm = torch.fx.GraphModule(nn.Module(), graph)
-                # fake examples of a mode with a shape env, in a tracing context, as Dynamo
-                # hands a backend: without them Inductor bypasses its FX graph cache and
-                # recompiles every run
-                fake = FakeTensorMode(shape_env=ShapeEnv())
-                examples = [fake.from_tensor(t, static_shapes=True) for t in flat]
-                with _progress.forced(self._progress), tracing(TracingContext(fake)):
-                    self._step = vescale_backend(gm, examples, self._options)
+                self._step = self._compile_step(gm, specs, flat)
         return self._step
+
+    def _compile_step(
+        self, gm: torch.fx.GraphModule, specs: list[Any], flat: list[torch.Tensor]
+    ) -> Any:
+        """``gm`` (the placed step) compiled by the ``vescale`` backend, or its Inductor code
+        loaded when an earlier run compiled the same step (:mod:`vescale.plan.step_cache`)."""
+        from vescale.backend import compile_or_load, record_inductor_forwards, vescale_backend
+        from vescale.plan import step_cache
+
+        key = step_cache.step_key(self.program, specs, flat, self._options)
+        entry = step_cache.read(key, len(flat)) if key is not None else None
+        # fake examples of a mode with a shape env, in a tracing context, as Dynamo hands a
+        # backend: without them Inductor bypasses its FX graph cache and recompiles every run
+        fake = FakeTensorMode(shape_env=ShapeEnv())
+        examples = [fake.from_tensor(t, static_shapes=True) for t in flat]
+        with (
+            _progress.forced(self._progress),
+            tracing(TracingContext(fake)),
+            record_inductor_forwards() as forwards,
+        ):
+            if entry is None:
+                step = vescale_backend(gm, examples, self._options)
+            else:
+                step = compile_or_load(gm, examples, self._options, entry.forward)
+        if entry is not None and not forwards:  # loaded
+            self._out_specs[:] = step_cache.output_specs(self.program, entry)
+        elif key is not None and len(forwards) == 1:
+            (forward,) = forwards
+            outputs = step_cache.outputs_of(self.program, self._out_specs)
+            if forward.plain and forward.inputs == len(flat) and outputs is not None:
+                step_cache.write(key, step_cache.Entry(forward, outputs))
+        return step
 
     def _mismatch(self, args: Sequence[Any], rank: int | None) -> str | None:
         """The first input unlike its example (shape, dtype), as an error text."""

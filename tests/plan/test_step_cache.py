@@ -1,0 +1,139 @@
+"""The compiled-step cache (vescale/plan/step_cache.py) on 2 gloo ranks: a second
+``parallelize`` of the same model loads the first one's Inductor code instead of compiling
+(no trace), and trains exactly as the compiled one did and as one device does; an entry is
+not written while dumps are, nor read with the cache off; a damaged entry compiles again; an
+entry whose code Inductor's cache no longer holds compiles again, saying so."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import vescale
+import vescale.backend as backend
+from tests.plan.gpt_cases import ALPHA_BETA, train
+from vescale.plan import Batch
+
+
+class _Regression(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((self.net(x) - y) ** 2).mean()
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 8, generator=g), torch.randn(8, 2, generator=g)) for _ in range(3)]
+
+
+@contextmanager
+def _env(**values: str | None) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _place_and_train(options: dict[str, Any] | None = None) -> tuple[int, list[float], dict]:
+    """(graphs traced and compiled, losses, final parameters) of the placed model."""
+    traced = [0]
+    compile_ = backend._compile
+
+    def counted(*args: Any) -> Any:
+        traced[0] += 1
+        return compile_(*args)
+
+    backend._compile = counted  # type: ignore[assignment]
+    try:
+        mesh = vescale.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        model = vescale.parallelize(
+            _Regression(),
+            mesh,
+            {},
+            inputs=[Batch("dp")] * 2,
+            example_inputs=_batches()[0],
+            alpha_beta=ALPHA_BETA,
+            options=options,
+            progress=False,
+        )
+        losses, params = train(model, _batches())
+    finally:
+        backend._compile = compile_  # type: ignore[assignment]
+    return traced[0], losses, params
+
+
+def _steps(root: str) -> list[Path]:
+    return sorted((Path(root) / "steps").glob("*.json"))
+
+
+def _cache_cases(folder: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    root = os.path.join(folder, f"rank{dist.get_rank()}")  # one entry per rank, its own
+    out: dict[str, Any] = {}
+    with _env(VESCALE_CACHE_DIR=root, VESCALE_PLAN_CACHE="1", VESCALE_DUMP_DIR=None):
+        out["cold"] = _place_and_train()
+        out["files after cold"] = len(_steps(root))
+        out["warm"] = _place_and_train()
+        (entry,) = _steps(root)
+        data = json.loads(entry.read_text())
+        entry.write_text("{not json")
+        out["damaged"] = _place_and_train()
+        out["rewritten"] = json.loads(entry.read_text()) == data
+        entry.write_text(json.dumps({**data, "key": "f" * 52}))  # Inductor holds no such code
+        out["gone"] = _place_and_train()
+        entry.write_text(json.dumps(data))
+        out["dumps"] = _place_and_train({"dump_dir": os.path.join(root, "dumps")})
+    with _env(VESCALE_CACHE_DIR=root, VESCALE_PLAN_CACHE="0"):
+        out["off"] = _place_and_train()
+    out["files at the end"] = len(_steps(root))
+    return out
+
+
+def test_a_second_placement_loads_the_compiled_step(pool2, tmp_path):
+    ref_losses, ref_params = train(_Regression(), _batches())
+    out, other = pool2.run(_cache_cases, str(tmp_path), timeout_s=600)
+    for case, value in out.items():  # both ranks: the same traces, losses, full parameters
+        if isinstance(value, tuple):
+            assert value[:2] == other[case][:2], case
+            assert all(torch.equal(v, other[case][2][k]) for k, v in value[2].items()), case
+        else:
+            assert value == other[case], case
+    assert out["files after cold"] == 1
+    assert out["files at the end"] == 1  # neither dumps nor the off switch wrote another
+    assert out["rewritten"]  # the damaged entry was compiled again and stored again
+    traced = {case: out[case][0] for case in ("cold", "warm", "damaged", "gone", "dumps", "off")}
+    assert traced == {"cold": 1, "warm": 0, "damaged": 1, "gone": 1, "dumps": 1, "off": 1}
+    cold_losses, cold_params = out["cold"][1:]
+    assert all(abs(a - b) < 1e-5 for a, b in zip(cold_losses, ref_losses)), (
+        cold_losses,
+        ref_losses,
+    )
+    for k, v in cold_params.items():
+        torch.testing.assert_close(v, ref_params[k.removeprefix("module.")], atol=1e-5, rtol=0)
+    for case in ("warm", "damaged", "gone", "dumps", "off"):
+        losses, params = out[case][1:]
+        assert losses == cold_losses, case  # the same code: the same numbers, bit for bit
+        for k, v in params.items():
+            assert torch.equal(v, cold_params[k]), (case, k)
