@@ -6,6 +6,7 @@ entry whose code Inductor's cache no longer holds compiles again, saying so."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 from collections.abc import Iterator
@@ -137,3 +138,63 @@ def test_a_second_placement_loads_the_compiled_step(pool2, tmp_path):
         assert losses == cold_losses, case  # the same code: the same numbers, bit for bit
         for k, v in params.items():
             assert torch.equal(v, cold_params[k]), (case, k)
+
+
+_KEY = """
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+from tests.plan.test_step_cache import _keys_of_a_placed_step
+print(_keys_of_a_placed_step())
+"""
+
+
+def _keys_of_a_placed_step() -> list[str | None]:
+    """The step's keys with the default options, without the rank check, with FX codegen."""
+    from vescale.plan import step_cache
+
+    mesh = vescale.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model = vescale.parallelize(
+        _Regression(),
+        mesh,
+        {},
+        inputs=[Batch("dp")] * 2,
+        example_inputs=_batches()[0],
+        alpha_beta=ALPHA_BETA,
+        compile=False,
+        progress=False,
+    )
+    model(*_batches()[0])  # the first call fixes the inputs' layouts
+    state = [slots[key] for slots, key in model._slots]
+    flat = [t._local_tensor for t in state] + model._inputs(_batches()[0])
+    specs = [t._spec for t in state] + model._in_specs
+    return [
+        step_cache.step_key(model.program, specs, flat, options)
+        for options in (None, {"rank_check": False}, {"codegen": "fx"})
+    ]
+
+
+def test_the_key_is_the_same_in_another_process(tmp_path):
+    """No address, set order or process-local state in the key: two processes placing the
+    same model get the same keys, so the second run of a training script loads the first's;
+    an option changes it."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "VESCALE_CACHE_DIR": str(tmp_path), "VESCALE_PLAN_CACHE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(root), str(root / "examples"), env.get("PYTHONPATH", "")]
+    )
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", _KEY], cwd=root, env=env, capture_output=True, text=True
+        )
+        for _ in range(2)
+    ]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
+    first, second = (r.stdout.strip().splitlines()[-1] for r in runs)
+    assert first == second, (first, second)
+    default, unchecked, fx = ast.literal_eval(first)
+    assert len(default) == 64 and unchecked != default  # an option is part of the key
+    assert fx is None  # nothing to load: FX codegen is not cached
