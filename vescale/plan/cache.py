@@ -10,7 +10,8 @@ change to them is a new key). A cached choice is checked against the problem (on
 index per node, within its strategies) before it is used. Files:
 ``$VESCALE_CACHE_DIR/plans/<key>.json`` (default ``~/.cache/vescale``), next to the
 calibration. ``VESCALE_PLAN_CACHE=0`` solves every time (strictly parsed: ``1/0``,
-``true/false``, ``yes/no``, ``on/off``).
+``true/false``, ``yes/no``, ``on/off``) and compiles every step (the compiled-step cache,
+:mod:`vescale.plan.step_cache`, reads the same variable).
 """
 
 from __future__ import annotations
