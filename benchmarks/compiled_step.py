@@ -220,7 +220,7 @@ def _compute_only() -> Iterator[None]:
 
 @dataclass
 class _Mode:
-    step: Callable[[int], Any]
+    step: Callable[..., Any]  # (i, phases=None): see _prepare
     first_s: float  # the first step: compile + one step
     loss: float | None  # the first step's global loss (None: a per-rank loss)
     collectives: int
@@ -249,11 +249,17 @@ def _prepare(
         model, opt, batches = build()
         built = time.perf_counter() - t0
 
-        def step(i: int = 0) -> Any:
+        def step(i: int = 0, phases: list[float] | None = None) -> Any:
+            """Step ``i``; ``phases`` gets its forward, backward and optimizer seconds."""
+            t0 = time.perf_counter()
             loss = model(*batches[i % len(batches)])
+            t1 = time.perf_counter()
             opt.zero_grad()
             loss.backward()
+            t2 = time.perf_counter()
             opt.step()
+            if phases is not None:
+                phases += [t1 - t0, t2 - t1, time.perf_counter() - t2]
             return loss
 
         dist.barrier()

@@ -1,7 +1,7 @@
 """The plan path with an empty plan and a free batch against hand-written upstream recipes.
 
     torchrun --standalone --nproc-per-node 4 benchmarks/vs_recipes.py \\
-        [--cfg tiny|medium|hf-llama|hf-llama-tiny] [--steps 10]
+        [--cfg tiny|medium|hf-llama|hf-llama-tiny] [--steps 10] [--phases]
 
 The plain GPT of ``examples/gpt.py`` (``tiny``, ``medium``), or transformers'
 ``LlamaForCausalLM`` (``hf-llama``: vocab 256, hidden 64, 2 layers, sequence 32, the loss
@@ -27,7 +27,9 @@ first-step loss (the global mean) must equal one device's within 1e-5. Ratios: e
 ``parallelize`` row over the fastest upstream row, and the budget row over the fastest
 upstream row whose parameters are sharded (DDP holds replicated ones, which the budget
 excludes); the empty plan's build (calibration from its cache, capture, propagation, solve,
-materialization) plus first step (compile) over the fastest upstream row's.
+materialization) plus first step (compile) over the fastest upstream row's. ``--phases``
+then times DDP-4's and the empty plan's forward, backward and optimizer step apart (medians
+of as many interleaved rounds): where a step's time goes outside the compiled code.
 """
 
 from __future__ import annotations
@@ -220,6 +222,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cfg", choices=sorted(CONFIGS), default="tiny")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="then time forward, backward and the optimizer step apart (DDP-4, empty plan)",
+    )
     args = parser.parse_args()
     spec = CONFIGS[args.cfg]()
     torch.set_num_threads(1)
@@ -247,10 +254,37 @@ def main() -> None:
     if bad:
         raise AssertionError(f"first-step losses differ from one device's {ref}: {bad}")
     compiled_step._time_interleaved(modes, args.steps)
+    phases = _phases(modes, ("upstream DDP-4 + inductor", free), args.steps) if args.phases else {}
     if dist.get_rank() == 0:
         _print(spec, modes, ref, need["total"], budget)
+        _print_phases(phases)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _phases(
+    modes: dict[str, compiled_step._Mode], names: tuple[str, ...], steps: int
+) -> dict[str, list[list[float]]]:
+    """Per mode of ``names``: forward, backward and optimizer seconds of ``steps`` rounds,
+    the modes interleaved as in the step timing."""
+    out: dict[str, list[list[float]]] = {n: [] for n in names}
+    for i in range(steps):
+        for n in names:
+            dist.barrier()
+            phases: list[float] = []
+            modes[n].step(3 + i, phases)
+            out[n].append(phases)
+    return out
+
+
+def _print_phases(phases: dict[str, list[list[float]]]) -> None:
+    if not phases:
+        return
+    print("\n| mode | forward ms | backward ms | optimizer step ms | sum ms |")
+    print("|---|---|---|---|---|")
+    for n, rounds in phases.items():
+        med = [statistics.median(r[k] for r in rounds) * 1e3 for k in range(3)]
+        print(f"| {n} | {med[0]:.2f} | {med[1]:.2f} | {med[2]:.2f} | {sum(med):.2f} |")
 
 
 def _print(
