@@ -1,8 +1,9 @@
 """The compiled-step cache (vescale/plan/step_cache.py) on 2 gloo ranks: a second
 ``parallelize`` of the same model loads the first one's Inductor code instead of compiling
 (no trace), and trains exactly as the compiled one did and as one device does; an entry is
-not written while dumps are, nor read with the cache off; a damaged entry compiles again; an
-entry whose code Inductor's cache no longer holds compiles again, saying so."""
+not written while dumps are, nor read with the cache off; a damaged entry (bad JSON, an
+unknown dtype) compiles again; an entry whose code Inductor's cache no longer holds compiles
+again."""
 
 from __future__ import annotations
 
@@ -104,6 +105,9 @@ def _cache_cases(folder: str) -> dict[str, Any]:
         out["rewritten"] = json.loads(entry.read_text()) == data
         entry.write_text(json.dumps({**data, "key": "f" * 52}))  # Inductor holds no such code
         out["gone"] = _place_and_train()
+        bad = [[shape, stride, "torch.float99"] for shape, stride, _ in data["outputs"]]
+        entry.write_text(json.dumps({**data, "outputs": bad}))  # no such dtype: not an entry
+        out["bad dtype"] = _place_and_train()
         entry.write_text(json.dumps(data))
         out["dumps"] = _place_and_train({"dump_dir": os.path.join(root, "dumps")})
     with _env(VESCALE_CACHE_DIR=root, VESCALE_PLAN_CACHE="0"):
@@ -124,8 +128,17 @@ def test_a_second_placement_loads_the_compiled_step(pool2, tmp_path):
     assert out["files after cold"] == 1
     assert out["files at the end"] == 1  # neither dumps nor the off switch wrote another
     assert out["rewritten"]  # the damaged entry was compiled again and stored again
-    traced = {case: out[case][0] for case in ("cold", "warm", "damaged", "gone", "dumps", "off")}
-    assert traced == {"cold": 1, "warm": 0, "damaged": 1, "gone": 1, "dumps": 1, "off": 1}
+    cases = ("cold", "warm", "damaged", "gone", "bad dtype", "dumps", "off")
+    traced = {case: out[case][0] for case in cases}
+    assert traced == {
+        "cold": 1,
+        "warm": 0,
+        "damaged": 1,
+        "gone": 1,
+        "bad dtype": 1,
+        "dumps": 1,
+        "off": 1,
+    }
     cold_losses, cold_params = out["cold"][1:]
     assert all(abs(a - b) < 1e-5 for a, b in zip(cold_losses, ref_losses)), (
         cold_losses,
@@ -133,7 +146,7 @@ def test_a_second_placement_loads_the_compiled_step(pool2, tmp_path):
     )
     for k, v in cold_params.items():
         torch.testing.assert_close(v, ref_params[k.removeprefix("module.")], atol=1e-5, rtol=0)
-    for case in ("warm", "damaged", "gone", "dumps", "off"):
+    for case in cases[1:]:
         losses, params = out[case][1:]
         assert losses == cold_losses, case  # the same code: the same numbers, bit for bit
         for k, v in params.items():

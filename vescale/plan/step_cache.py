@@ -40,16 +40,20 @@ from vescale.passes import BackendOptions
 from vescale.plan.program import PlacedProgram
 from vescale.plan.propagate import Placements
 
-__all__ = ["Entry", "output_specs", "read", "step_key", "write"]
+__all__ = ["Entry", "output_specs", "outputs_of", "read", "step_key", "write"]
 
 _FORMAT = 1  # of the files; a change invalidates every file
 
 
+Outputs = list[tuple[list[int], list[int], str]]  # each output's (shape, stride, dtype name)
+_DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
 class Entry(NamedTuple):
-    """A cached step: Inductor's forward and each output's (shape, stride, dtype)."""
+    """A cached step: Inductor's forward and each output's (shape, stride, dtype name)."""
 
     forward: InductorForward
-    outputs: list[tuple[list[int], list[int], str]]
+    outputs: Outputs
 
 
 @functools.cache
@@ -156,7 +160,7 @@ def read(key: str, inputs: int) -> Entry | None:
             ([int(n) for n in shape], [int(n) for n in stride], str(dtype))
             for shape, stride, dtype in data["outputs"]
         ]
-        if forward.inputs != inputs or not outputs:
+        if forward.inputs != inputs or not outputs or any(d not in _DTYPES for *_, d in outputs):
             return None
         return Entry(forward, outputs)
     except (OSError, ValueError, KeyError, TypeError):
@@ -182,9 +186,7 @@ def _demanded(program: PlacedProgram, n: int) -> list[Placements]:
     return [program.required(d) for d in program.demands[-n:]]
 
 
-def outputs_of(
-    program: PlacedProgram, specs: Sequence[Any]
-) -> list[tuple[list[int], list[int], str]] | None:
+def outputs_of(program: PlacedProgram, specs: Sequence[Any]) -> Outputs | None:
     """Each traced output spec's (shape, stride, dtype) when every output is a DTensor in its
     demanded placements (so :func:`output_specs` rebuilds ``specs``); else ``None``."""
     if not specs or any(s is None for s in specs):
@@ -196,12 +198,11 @@ def outputs_of(
 
 def output_specs(program: PlacedProgram, entry: Entry) -> list[Any]:
     """The step's output specs as the traced step set them."""
-    dtypes = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
     return [
         DTensorSpec(
             program.mesh,
             p,
-            tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dtypes[dtype]),
+            tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), _DTYPES[dtype]),
         )
         for p, (shape, stride, dtype) in zip(_demanded(program, len(entry.outputs)), entry.outputs)
     ]
