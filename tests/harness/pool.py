@@ -16,14 +16,28 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 COLLECTIVE_TIMEOUT_S = 60
+
+
+_POLL_S = 1.0  # how often a waiting run checks that every rank is still alive
+
+
+def _signal(exitcode: int | None) -> str:
+    if exitcode is None or exitcode >= 0:
+        return ""
+    try:
+        return f": {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return ""
 
 
 class WorkerError(AssertionError):
@@ -151,18 +165,26 @@ class WorkerPool:
         return functools.partial(self._collect, tid, fn.__qualname__, timeout_s)
 
     def _collect(self, tid: int, name: str, timeout_s: float) -> list[Any]:
+        """The ranks' results of task ``tid``; a :class:`WorkerError` when a rank raised, did
+        not finish in ``timeout_s``, or died (a crash inside gloo or torch: reported within
+        a second with its signal, not after the timeout; the others wait on it forever)."""
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout_s
         while len(out) + len(errors) < self.world_size:
             try:
-                task_id, rank, status, value = self._results.get(timeout=timeout_s)
+                task_id, rank, status, value = self._results.get(timeout=_POLL_S)
             except queue.Empty:
-                missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
-                self._restart()
-                raise WorkerError(
-                    f"{name}: ranks {missing} did not finish in {timeout_s}s"
-                    + "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-                ) from None
+                dead = self._dead()
+                if dead or time.monotonic() > deadline:
+                    missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
+                    self._restart()
+                    why = f"rank {dead} died" if dead else f"did not finish in {timeout_s}s"
+                    raise WorkerError(
+                        f"{name}: ranks {missing} did not finish: {why}"
+                        + "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+                    ) from None
+                continue
             if task_id != tid:
                 continue  # a late answer from a task that failed or timed out before
             (out if status == "ok" else errors)[rank] = value
@@ -173,6 +195,14 @@ class WorkerPool:
                 + "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
             )
         return [out[r] for r in range(self.world_size)]
+
+    def _dead(self) -> str:
+        """The ranks whose process has exited, with how (``""``: none)."""
+        return ", ".join(
+            f"{r} (exit code {p.exitcode}{_signal(p.exitcode)})"
+            for r, p in enumerate(self._procs)
+            if not p.is_alive()
+        )
 
     def _kill(self) -> None:
         for p in self._procs:
