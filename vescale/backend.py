@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -118,19 +118,25 @@ class CompiledGraph(NamedTuple):
     ctx: PassContext
 
 
+_T = TypeVar("_T")
 _captures: list[list[CompiledGraph]] = []
 
 
 @contextlib.contextmanager
-def capture_graphs() -> Iterator[list[CompiledGraph]]:
+def _listening(listeners: list[list[_T]]) -> Iterator[list[_T]]:
+    """A list registered in ``listeners`` for the block (the compiler appends to each)."""
+    items: list[_T] = []
+    listeners.append(items)
+    try:
+        yield items
+    finally:
+        listeners.remove(items)
+
+
+def capture_graphs() -> contextlib.AbstractContextManager[list[CompiledGraph]]:
     """Within the block, every graph this backend compiles is appended, after its passes and
     before codegen, to the yielded list (nested blocks each see every graph)."""
-    graphs: list[CompiledGraph] = []
-    _captures.append(graphs)
-    try:
-        yield graphs
-    finally:
-        _captures.remove(graphs)
+    return _listening(_captures)
 
 
 class InductorForward(NamedTuple):
@@ -149,16 +155,10 @@ class InductorForward(NamedTuple):
 _forwards: list[list[InductorForward]] = []
 
 
-@contextlib.contextmanager
-def record_inductor_forwards() -> Iterator[list[InductorForward]]:
+def record_inductor_forwards() -> contextlib.AbstractContextManager[list[InductorForward]]:
     """Within the block, every forward graph compiled by Inductor into its cache is appended
     to the yielded list."""
-    forwards: list[InductorForward] = []
-    _forwards.append(forwards)
-    try:
-        yield forwards
-    finally:
-        _forwards.remove(forwards)
+    return _listening(_forwards)
 
 
 def _graph_compiler(opts: BackendOptions, name: str, calls: Sequence[str] = ()) -> Any:

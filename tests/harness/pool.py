@@ -11,6 +11,7 @@ server, so each worker starts from a freshly imported state.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import multiprocessing as mp
@@ -21,7 +22,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -90,20 +91,32 @@ def _worker_main(
     results.put((None, rank, "ready", None))
     while True:  # until the pool kills this process
         task_id, module, qualname, args, env = tasks.get()
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            torch.manual_seed(0)
-            out = _resolve(module, qualname)(*args)
-            results.put((task_id, rank, "ok", out))
-        except BaseException:
-            results.put((task_id, rank, "err", traceback.format_exc()))
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        with scoped_environ(env):
+            try:
+                torch.manual_seed(0)
+                out = _resolve(module, qualname)(*args)
+                results.put((task_id, rank, "ok", out))
+            except BaseException:
+                results.put((task_id, rank, "err", traceback.format_exc()))
+
+
+@contextlib.contextmanager
+def scoped_environ(values: Mapping[str, str | None]) -> Iterator[None]:
+    """``os.environ`` with ``values`` set (``None``: unset) for the block, restored after."""
+    saved = {k: os.environ.get(k) for k in values}
+
+    def put(items: Mapping[str, str | None]) -> None:
+        for k, v in items.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    put(values)
+    try:
+        yield
+    finally:
+        put(saved)
 
 
 class WorkerPool:

@@ -70,21 +70,28 @@ print(place(joint, mesh, free, None, COSTS, solver="greedy", memory_budget=10**9
 """
 
 
-def test_a_later_process_reads_the_entry(tmp_path):
-    """The key is the same in another process (no set or address order in it): the second
-    run's solve is read."""
-    env = {**os.environ, "VESCALE_CACHE_DIR": str(tmp_path), "VESCALE_PLAN_CACHE": "1"}
+def last_lines_of_two_runs(code: str, cache_dir: Path) -> tuple[str, str]:
+    """The last stdout line of each of two processes running ``code`` one after the other
+    (this checkout and examples/ importable; both caches on, in ``cache_dir``)."""
+    env = {**os.environ, "VESCALE_CACHE_DIR": str(cache_dir), "VESCALE_PLAN_CACHE": "1"}
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), str(ROOT / "examples"), env.get("PYTHONPATH", "")]
     )
     runs = [
         subprocess.run(
-            [sys.executable, "-c", _PLACE], cwd=ROOT, env=env, capture_output=True, text=True
+            [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
         )
         for _ in range(2)
     ]
     assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
     first, second = (r.stdout.strip().splitlines()[-1] for r in runs)
+    return first, second
+
+
+def test_a_later_process_reads_the_entry(tmp_path):
+    """The key is the same in another process (no set or address order in it): the second
+    run's solve is read."""
+    first, second = last_lines_of_two_runs(_PLACE, tmp_path)
     assert second == f"{first} (cached)", (first, second)
 
 

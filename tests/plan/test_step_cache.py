@@ -10,8 +10,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,9 @@ from torch import nn
 
 import vescale
 import vescale.backend as backend
+from tests.harness.pool import scoped_environ
 from tests.plan.gpt_cases import ALPHA_BETA, train
+from tests.plan.test_plan_cache import last_lines_of_two_runs
 from vescale.plan import Batch
 
 
@@ -39,22 +39,19 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(8, 8, generator=g), torch.randn(8, 2, generator=g)) for _ in range(3)]
 
 
-@contextmanager
-def _env(**values: str | None) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def _placed(**kwargs: Any) -> Any:
+    """The regression placed on a 2-rank dp mesh, its batch free over dp."""
+    mesh = vescale.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    return vescale.parallelize(
+        _Regression(),
+        mesh,
+        {},
+        inputs=[Batch("dp")] * 2,
+        example_inputs=_batches()[0],
+        alpha_beta=ALPHA_BETA,
+        progress=False,
+        **kwargs,
+    )
 
 
 def _place_and_train(options: dict[str, Any] | None = None) -> tuple[int, list[float], dict]:
@@ -68,18 +65,7 @@ def _place_and_train(options: dict[str, Any] | None = None) -> tuple[int, list[f
 
     backend._compile = counted  # type: ignore[assignment]
     try:
-        mesh = vescale.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-        model = vescale.parallelize(
-            _Regression(),
-            mesh,
-            {},
-            inputs=[Batch("dp")] * 2,
-            example_inputs=_batches()[0],
-            alpha_beta=ALPHA_BETA,
-            options=options,
-            progress=False,
-        )
-        losses, params = train(model, _batches())
+        losses, params = train(_placed(options=options), _batches())
     finally:
         backend._compile = compile_  # type: ignore[assignment]
     return traced[0], losses, params
@@ -94,7 +80,8 @@ def _cache_cases(folder: str) -> dict[str, Any]:
 
     root = os.path.join(folder, f"rank{dist.get_rank()}")  # one entry per rank, its own
     out: dict[str, Any] = {}
-    with _env(VESCALE_CACHE_DIR=root, VESCALE_PLAN_CACHE="1", VESCALE_DUMP_DIR=None):
+    cache_on = {"VESCALE_CACHE_DIR": root, "VESCALE_PLAN_CACHE": "1", "VESCALE_DUMP_DIR": None}
+    with scoped_environ(cache_on):
         out["cold"] = _place_and_train()
         out["files after cold"] = len(_steps(root))
         out["warm"] = _place_and_train()
@@ -110,7 +97,7 @@ def _cache_cases(folder: str) -> dict[str, Any]:
         out["bad dtype"] = _place_and_train()
         entry.write_text(json.dumps(data))
         out["dumps"] = _place_and_train({"dump_dir": os.path.join(root, "dumps")})
-    with _env(VESCALE_CACHE_DIR=root, VESCALE_PLAN_CACHE="0"):
+    with scoped_environ({"VESCALE_CACHE_DIR": root, "VESCALE_PLAN_CACHE": "0"}):
         out["off"] = _place_and_train()
     out["files at the end"] = len(_steps(root))
     return out
@@ -166,17 +153,7 @@ def _keys_of_a_placed_step() -> list[str | None]:
     """The step's keys with the default options, without the rank check, with FX codegen."""
     from vescale.plan import step_cache
 
-    mesh = vescale.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    model = vescale.parallelize(
-        _Regression(),
-        mesh,
-        {},
-        inputs=[Batch("dp")] * 2,
-        example_inputs=_batches()[0],
-        alpha_beta=ALPHA_BETA,
-        compile=False,
-        progress=False,
-    )
+    model = _placed(compile=False)
     model(*_batches()[0])  # the first call fixes the inputs' layouts
     state = [slots[key] for slots, key in model._slots]
     flat = [t._local_tensor for t in state] + model._inputs(_batches()[0])
@@ -191,22 +168,7 @@ def test_the_key_is_the_same_in_another_process(tmp_path):
     """No address, set order or process-local state in the key: two processes placing the
     same model get the same keys, so the second run of a training script loads the first's;
     an option changes it."""
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "VESCALE_CACHE_DIR": str(tmp_path), "VESCALE_PLAN_CACHE": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(root), str(root / "examples"), env.get("PYTHONPATH", "")]
-    )
-    runs = [
-        subprocess.run(
-            [sys.executable, "-c", _KEY], cwd=root, env=env, capture_output=True, text=True
-        )
-        for _ in range(2)
-    ]
-    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
-    first, second = (r.stdout.strip().splitlines()[-1] for r in runs)
+    first, second = last_lines_of_two_runs(_KEY, tmp_path)
     assert first == second, (first, second)
     default, unchecked, fx = ast.literal_eval(first)
     assert len(default) == 64 and unchecked != default  # an option is part of the key

@@ -219,7 +219,7 @@ class PlannedModule(nn.Module):
                 step = vescale_backend(gm, examples, self._options)
             else:
                 step = compile_or_load(gm, examples, self._options, entry.forward)
-        if entry is not None and not forwards:  # loaded
+        if entry is not None and not self._out_specs:  # loaded: no trace recorded them
             self._out_specs[:] = step_cache.output_specs(self.program, entry)
         elif key is not None and len(forwards) == 1:
             (forward,) = forwards

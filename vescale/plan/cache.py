@@ -20,7 +20,7 @@ import contextlib
 import functools
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from vescale._env import env_flag
 from vescale.cost.calibration import cache_root, write_atomic
 from vescale.plan.solve import Problem, Solution
 
-__all__ = ["cache_key", "cached", "read", "write"]
+__all__ = ["PACKAGE", "cache_key", "cached", "enabled", "read", "source_digest", "write"]
 
 _FORMAT = 1  # of the files; a change invalidates every file
 _PRICED_BY = (
@@ -43,13 +43,27 @@ _PRICED_BY = (
 )
 
 
+PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def enabled() -> bool:
+    """Whether the plan cache and the compiled-step cache are on: ``VESCALE_PLAN_CACHE``
+    (strict boolean, default on)."""
+    return env_flag("VESCALE_PLAN_CACHE", True)
+
+
+def source_digest(paths: Iterable[str]) -> str:
+    """The sha256 of the contents of vescale's source files ``paths`` (relative to the
+    package), in that order."""
+    h = hashlib.sha256()
+    for rel in paths:
+        h.update((PACKAGE / rel).read_bytes())
+    return h.hexdigest()
+
+
 @functools.cache
 def _code_digest() -> str:
-    root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for rel in _PRICED_BY:
-        h.update((root / rel).read_bytes())
-    return h.hexdigest()
+    return source_digest(_PRICED_BY)
 
 
 def _shapes(val: Any) -> Any:
@@ -62,7 +76,7 @@ def _shapes(val: Any) -> Any:
 def cache_key(problem: Problem, what: str) -> str | None:
     """The hex key of ``problem`` solved as ``what`` says (the solver and the cost model's
     constants); ``None`` when the cache is off."""
-    if not env_flag("VESCALE_PLAN_CACHE", True):
+    if not enabled():
         return None
     h = hashlib.sha256(f"{_FORMAT} {_code_digest()} {torch.__version__} {what}".encode())
     for node, ns in problem.table.items():

@@ -31,12 +31,12 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from vescale._env import env_flag
 from vescale._torch_compat import DTensorSpec, TensorMeta
 from vescale.backend import InductorForward
 from vescale.cost.calibration import cache_root, write_atomic
 from vescale.dtensor.flat_groups import flattened_meshes
 from vescale.passes import BackendOptions
+from vescale.plan.cache import PACKAGE, enabled, source_digest
 from vescale.plan.program import PlacedProgram
 from vescale.plan.propagate import Placements
 
@@ -58,12 +58,7 @@ class Entry(NamedTuple):
 
 @functools.cache
 def _package_digest() -> str:
-    root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()
+    return source_digest(sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")))
 
 
 def _groups(program: PlacedProgram) -> list[Any]:
@@ -88,7 +83,7 @@ def step_key(
     """The hex key of ``program``'s compiled step on ``flat`` (this rank's inputs laid out as
     ``specs``) with backend ``options``; ``None`` when the cache is off, the codegen is not
     Inductor, or dumps are written."""
-    if not env_flag("VESCALE_PLAN_CACHE", True):
+    if not enabled():
         return None
     opts = BackendOptions.resolve(options)
     if opts.codegen != "inductor" or opts.dump_dir is not None or opts.eager:
