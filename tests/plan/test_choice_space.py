@@ -9,6 +9,9 @@
   sharded (FSDP-like: gathered before use, gradients reduce-scattered); the parameter bytes
   each rank really holds equal the report's, which is under the budget; losses equal one
   device.
+* Parameters stay plain tensors (gradients too, as under upstream DDP) only when the plan
+  names none of them and the choice replicates every one; a plan naming them replicated
+  gives DTensors; both train like one device, a deferred-init model initialized as one.
 * A budget nothing fits: the same :class:`PlanError` on every rank, naming the smallest
   budget that fits; that budget fits and one byte less does not (meta mesh, no ranks).
 """
@@ -81,7 +84,7 @@ def _check_ddp() -> dict:
 
     with capture_graphs() as graphs:  # the placed step, compiled at its first call
         model = _placed(64, None)
-    placements = {tuple(p.placements) for p in model.module.parameters()}
+    placements = set(model.program.param_placements().values())
     records = [r for g in graphs for r in collective_table(g.gm, g.name)]
     return {
         "placements": placements,
@@ -89,6 +92,8 @@ def _check_ddp() -> dict:
         "recipe": model.explain().recipe,
         "collectives": [(r["kind"], tuple(r["group_ranks"]), r["bytes"]) for r in records],
         "param_bytes": _param_bytes(model.module),
+        # a data-parallel program keeps plain parameters and gradients, as upstream DDP does
+        "plain": {(type(p).__name__, type(p.grad).__name__) for p in model.module.parameters()},
     }
 
 
@@ -101,11 +106,44 @@ def test_empty_plan_free_batch_is_ddp_over_both_mesh_dims(pool4):
         assert out["inputs"][0][0] == vescale.Shard(0), out["inputs"]
         assert out["inputs"][1] == rep, out["inputs"]
         assert out["recipe"] == "DDP over dp+tp", out["recipe"]
+        assert out["plain"] == {("Parameter", "Tensor")}, out["plain"]
         # the step: one all-reduce over the four ranks holding every gradient and the loss
         # value (one float32); nothing else (upstream DDP's one bucket)
         assert out["collectives"] == [("all_reduce", (0, 1, 2, 3), out["param_bytes"] + 4)], out[
             "collectives"
         ]
+
+
+def _check_plain_only_when_unnamed() -> dict:
+    """A deferred-init GPT under the empty plan (parameters materialized plain, as one
+    device initializes them) and under a plan naming every parameter replicated (the same
+    program, but the user asked for DTensors): both train like one device."""
+    import gpt
+
+    cfg = _cfg(64)
+    batches = [gpt.batch(cfg, i) for i in range(2)]
+    ref_init = {k: v.detach().clone() for k, v in gpt.build(cfg).named_parameters()}
+    ref_losses, ref_params = train(gpt.build(cfg), batches)
+    kinds = {}
+    for name, plan in (("empty", {}), ("named", {"*": (Replicate(), Replicate())})):
+        model = vescale.parallelize(
+            gpt.build_deferred(cfg), gpt_mesh(), plan, inputs=[FREE, FREE], example_inputs=batches[0],
+            alpha_beta=COSTS, compile=False, progress=False,
+        )  # fmt: skip
+        if name == "empty":
+            for k, v in model.module.named_parameters():
+                assert torch.equal(v.detach(), ref_init[k]), k
+        losses, params = train(model, batches)
+        assert all(abs(a - b) < 1e-5 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+        for k, v in params.items():
+            torch.testing.assert_close(v, ref_params[k], atol=1e-5, rtol=0, msg=k)
+        kinds[name] = {(type(p).__name__, type(p.grad).__name__) for p in model.parameters()}
+    return kinds
+
+
+def test_plain_parameters_only_when_the_plan_names_none(pool4):
+    for kinds in pool4.run(_check_plain_only_when_unnamed, timeout_s=600):
+        assert kinds == {"empty": {("Parameter", "Tensor")}, "named": {("DTensor", "DTensor")}}
 
 
 def _check_whole_inputs_sliced() -> None:

@@ -155,9 +155,7 @@ def _keys_of_a_placed_step() -> list[str | None]:
 
     model = _placed(compile=False)
     model(*_batches()[0])  # the first call fixes the inputs' layouts
-    state = [slots[key] for slots, key in model._slots]
-    flat = [t._local_tensor for t in state] + model._inputs(_batches()[0])
-    specs = [t._spec for t in state] + model._in_specs
+    specs, flat = model._step_inputs(_batches()[0])
     return [
         step_cache.step_key(model.program, specs, flat, options)
         for options in (None, {"rank_check": False}, {"codegen": "fx"})

@@ -46,8 +46,8 @@ PlanValue = Sequence[Placement] | Mapping[str, Placement]
 
 class _AttachGrads(torch.autograd.Function):
     """The loss, whose backward hands the joint graph's gradients (this rank's shards) to the
-    parameters as DTensors laid out as the parameters (``specs``), scaled by the loss's
-    gradient (1 for ``loss.backward()``)."""
+    parameters as DTensors laid out as the parameters (``specs``; a plain parameter's, ``None``,
+    gets its plain gradient), scaled by the loss's gradient (1 for ``loss.backward()``)."""
 
     @staticmethod
     def forward(
@@ -63,7 +63,10 @@ class _AttachGrads(torch.autograd.Function):
         g = grad.full_tensor() if isinstance(grad, _UpstreamDTensor) else grad
         ones = g.device.type == "cpu" and g.numel() == 1 and g.item() == 1  # loss.backward()
         scaled = ctx.grads if ones else [t * g for t in ctx.grads]
-        wrapped = (new_dtensor(t, s, requires_grad=False) for t, s in zip(scaled, ctx.specs))
+        wrapped = (
+            t if s is None else new_dtensor(t, s, requires_grad=False)
+            for t, s in zip(scaled, ctx.specs)
+        )
         return (None, None, *wrapped, *((None,) * n))
 
 
@@ -102,9 +105,21 @@ def _take(t: torch.Tensor, narrows: Narrows) -> torch.Tensor:
     return t.contiguous()
 
 
+def _spec_or_none(t: torch.Tensor) -> Any:
+    """A DTensor's spec; ``None`` for a plain tensor."""
+    return t._spec if isinstance(t, _UpstreamDTensor) else None
+
+
+def _replicated_spec(t: torch.Tensor, mesh: DeviceMesh) -> Any:
+    """The spec of plain ``t`` held whole by every rank of ``mesh``."""
+    rep = (Replicate(),) * mesh.ndim
+    return DTensor.from_local(t.detach(), mesh, rep, run_check=False)._spec
+
+
 class PlannedModule(nn.Module):
     """The parallelized model: ``module`` holds this rank's shards (DTensor parameters in the
-    chosen placements); ``forward(*args)`` runs the placed joint graph (compiled by the
+    chosen placements, or its plain tensors when every one is replicated and the plan named
+    none: :func:`parallelize`); ``forward(*args)`` runs the placed joint graph (compiled by the
     ``vescale`` backend unless ``compile=False``) and returns the output; when it is a loss,
     ``loss.backward()`` gives every parameter its gradient in the parameter's placements.
     Its inputs must have the shapes and dtypes of ``example_inputs`` (the plan is made for
@@ -138,6 +153,12 @@ class PlannedModule(nn.Module):
         ]
         self._grad_slots = [
             _slot(module, joint.grad_of[i], "parameter") for i in sorted(joint.grad_of)
+        ]
+        # the layouts of plain (replicated) parameters and buffers, fixed; a DTensor's is its own
+        held = [slots[key] for slots, key in self._slots]
+        self._plain_specs = [
+            None if isinstance(t, _UpstreamDTensor) else _replicated_spec(t, program.mesh)
+            for t in held
         ]
         self._in_specs: list[Any] = []  # the inputs' layouts, fixed at the first call
         self._in_narrows: list[Narrows | None] = []
@@ -261,23 +282,30 @@ class PlannedModule(nn.Module):
         if problem:
             raise PlanError(problem)
 
+    def _step_inputs(self, args: Sequence[Any]) -> tuple[list[Any], list[torch.Tensor]]:
+        """The compiled step's inputs (parameters, buffers, then ``args``: this rank's local
+        tensors) and their layouts."""
+        state: list[Any] = [slots[key] for slots, key in self._slots]
+        local = self._inputs(args)
+        plain = self._plain_specs
+        specs = [t._spec if s is None else s for t, s in zip(state, plain)] + self._in_specs
+        flat = [_no_grad(t._local_tensor if s is None else t) for t, s in zip(state, plain)]
+        return specs, flat + local
+
     def forward(self, *args: torch.Tensor) -> Any:
         if len(args) != len(self.input_placements):
             raise TypeError(
                 f"vescale.parallelize: expected {len(self.input_placements)} inputs, got {len(args)}"
             )
         self._check_inputs(args)
-        state: list[Any] = [slots[key] for slots, key in self._slots]  # DTensors
-        local = self._inputs(args)
-        specs = [t._spec for t in state] + self._in_specs
-        flat = [_no_grad(t._local_tensor) for t in state] + local
+        specs, flat = self._step_inputs(args)
         outs = self._compiled(specs, flat)(*flat)
         spec = self._out_specs[0]
         out = outs[0] if spec is None else new_dtensor(outs[0], spec, requires_grad=False)
         if not self._grad_slots:
             return out
         with_grad: list[Any] = [slots[key] for slots, key in self._grad_slots]
-        grad_specs = [p._spec for p in with_grad]
+        grad_specs = [_spec_or_none(p) for p in with_grad]
         return _AttachGrads.apply(out, grad_specs, *with_grad, *outs[1 : 1 + len(with_grad)])
 
 
@@ -310,7 +338,10 @@ def parallelize(
     (op by op, as eager dispatch). ``alpha_beta`` overrides the calibrated cost model; when
     compiled with bucketing on, collectives the ``bucket`` pass merges pay one latency.
     ``model`` is changed in place: its parameters become DTensors in the chosen placements
-    (materialized shard-only when it was built with ``vescale.deferred_init``). ``compile``
+    (materialized shard-only when it was built with ``vescale.deferred_init``), except when
+    the plan names none of them and the choice replicates every one (the program is data
+    parallel): they then stay plain tensors, as under upstream DDP (a DTensor wrapper would
+    only add DTensor dispatch to every gradient hand-over and optimizer step). ``compile``
     compiles the placed step with the ``vescale`` backend (``options`` are its options).
     With ``options["dump_dir"]`` or ``VESCALE_DUMP_DIR``, ``rank<r>/placements.md`` holds
     :func:`vescale.plan.explain`'s report. ``progress``: one line per long stage (capture,
@@ -381,8 +412,12 @@ def parallelize(
             rank = dist.get_rank() if dist.is_initialized() else 0
             explain(program).write(Path(opts.dump_dir) / f"rank{rank}")
         chosen = program.param_placements()
+        plain = not fixed_by_name and all(
+            all(isinstance(p, Replicate) for p in chosen[n]) for n in names
+        )
+        placed = {} if plain else {glob.escape(n): (mesh, chosen[n]) for n in names}
         with _progress.stage("materialize") as stage:
-            materialize_module(model, {glob.escape(n): (mesh, chosen[n]) for n in names})
+            materialize_module(model, placed)
             stage.detail = f"{len(names)} parameters and buffers"
     return PlannedModule(model, program, input_placements, example_inputs, compile, options, shown)
 
