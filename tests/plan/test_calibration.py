@@ -210,3 +210,25 @@ def test_recalibrated_constants_give_the_same_plan(pool2, busy, tmp_path) -> Non
     assert all(r[0] == models for r in results)  # agreed across ranks, measurement by measurement
     assert choices[0] == choices[1], (models, choices)
     assert all(r[1] == choices for r in results)
+
+
+def _measure_one_rank_groups() -> list[CostModel]:
+    """Calibration on a (2, 1) mesh (a mesh dim of one rank) and on a (1,) mesh of each
+    rank's own group (every group of one rank)."""
+    from tests.dtensor.reference import mesh_of
+    from vescale.cost import calibration
+    from vescale.dtensor.device_mesh import DeviceMesh
+
+    own = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+    meshes = [mesh_of((2, 1)), DeviceMesh.from_group(own, "cpu")]
+    return [calibration._measure(m) for m in meshes]
+
+
+def test_groups_of_one_rank_calibrate(pool2) -> None:
+    for two_by_one, alone in pool2.run(_measure_one_rank_groups, timeout_s=300):
+        # nothing crosses a wire in a group of one rank: the floor constants, never a
+        # division by its zero wire bytes
+        assert two_by_one.alpha[1] == alone.alpha[0] == quantize(1e-7)
+        assert two_by_one.beta[1] == alone.beta[0] == quantize(1e-13)
+        assert two_by_one.alpha[0] > 1e-7 and two_by_one.beta[0] > 1e-13  # the real dim
+        assert dict(alone.kinds) == {"reduce_scatter": 1.0, "all_gather": 1.0}

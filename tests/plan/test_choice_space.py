@@ -11,7 +11,8 @@
   device.
 * Parameters stay plain tensors (gradients too, as under upstream DDP) only when the plan
   names none of them and the choice replicates every one; a plan naming them replicated
-  gives DTensors; both train like one device, a deferred-init model initialized as one.
+  gives DTensors; both train like one device, a deferred-init model initialized as one; a
+  retained graph's second backward adds the same gradients again.
 * A budget nothing fits: the same :class:`PlanError` on every rank, naming the smallest
   budget that fits; that budget fits and one byte less does not (meta mesh, no ranks).
 """
@@ -138,6 +139,14 @@ def _check_plain_only_when_unnamed() -> dict:
         for k, v in params.items():
             torch.testing.assert_close(v, ref_params[k], atol=1e-5, rtol=0, msg=k)
         kinds[name] = {(type(p).__name__, type(p.grad).__name__) for p in model.parameters()}
+        # a retained graph hands the same gradients again: they add up
+        model.zero_grad()
+        loss = model(*batches[0])
+        loss.backward(retain_graph=True)
+        first = [p.grad.clone() for p in model.parameters()]
+        loss.backward()
+        for p, g in zip(model.parameters(), first):
+            torch.testing.assert_close(p.grad, 2 * g, atol=0, rtol=0)
     return kinds
 
 

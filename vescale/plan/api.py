@@ -53,16 +53,19 @@ class _AttachGrads(torch.autograd.Function):
     def forward(
         ctx: Any, loss: torch.Tensor, specs: list[Any], *params_and_grads: torch.Tensor
     ) -> torch.Tensor:
-        n = len(params_and_grads) // 2
-        ctx.grads, ctx.specs = params_and_grads[n:], specs
+        # saved, not kept on ctx: autograd drops them after a backward that does not retain
+        # the graph, so AccumulateGrad takes each gradient as it is instead of copying it
+        ctx.save_for_backward(*params_and_grads[len(params_and_grads) // 2 :])
+        ctx.specs = specs
         return loss.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        n = len(ctx.grads)
+        grads = ctx.saved_tensors
+        n = len(grads)
         g = grad.full_tensor() if isinstance(grad, _UpstreamDTensor) else grad
         ones = g.device.type == "cpu" and g.numel() == 1 and g.item() == 1  # loss.backward()
-        scaled = ctx.grads if ones else [t * g for t in ctx.grads]
+        scaled = grads if ones else [t * g for t in grads]
         wrapped = (
             t if s is None else new_dtensor(t, s, requires_grad=False)
             for t, s in zip(scaled, ctx.specs)
@@ -195,6 +198,7 @@ class PlannedModule(nn.Module):
         if self._step is None:
             program = self.program
             out_specs = self._out_specs
+            traced = self._compile  # eager: the outputs waited (no AsyncCollectiveTensor out)
 
             def placed_joint_step(*local: torch.Tensor) -> tuple[Any, ...]:
                 args = [
@@ -205,7 +209,10 @@ class PlannedModule(nn.Module):
                 ]
                 outs = run_program(program, *args)
                 out_specs[:] = [o._spec if isinstance(o, _UpstreamDTensor) else None for o in outs]
-                return tuple(o.to_local() if isinstance(o, _UpstreamDTensor) else o for o in outs)
+                return tuple(
+                    o.to_local(async_output=traced) if isinstance(o, _UpstreamDTensor) else o
+                    for o in outs
+                )
 
             if not self._compile:
                 self._step = placed_joint_step
