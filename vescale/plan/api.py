@@ -26,7 +26,7 @@ from vescale._torch_compat import (
 )
 from vescale.dtensor import DTensor
 from vescale.dtensor.deferred_init import materialize_module
-from vescale.dtensor.dtensor import new_dtensor
+from vescale.dtensor.dtensor import new_dtensor, to_local
 from vescale.passes.options import BackendOptions
 from vescale.plan.batch import Batch, batch_choices
 from vescale.plan.capture import capture_joint
@@ -210,7 +210,7 @@ class PlannedModule(nn.Module):
                 outs = run_program(program, *args)
                 out_specs[:] = [o._spec if isinstance(o, _UpstreamDTensor) else None for o in outs]
                 return tuple(
-                    o.to_local(async_output=traced) if isinstance(o, _UpstreamDTensor) else o
+                    to_local(o, async_output=traced) if isinstance(o, _UpstreamDTensor) else o
                     for o in outs
                 )
 
