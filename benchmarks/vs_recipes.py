@@ -15,6 +15,12 @@ and SGD:
   each block compiled with Inductor;
 * ``upstream TP+FSDP2 2-D``: the torchtitan-style recipe of ``benchmarks/compiled_step.py``
   (tensor parallel over tp, FSDP2 over dp, blocks compiled with Inductor; the GPT only);
+* ``upstream ind. + comm passes: Megatron TP x DDP``: the Megatron row of
+  ``benchmarks/compiled_step.py``: ``gpt.parallelize``'s tensor parallelism over tp (vescale
+  DTensors), ``vescale.ddp`` over dp, compiled by Inductor with its communication passes
+  (bucketing, compute/communication reordering; overlap scheduling where it compiles on
+  CPU); the GPT only. Its parameters are replicated over dp, so the budget row is not
+  compared with it;
 * ``parallelize, empty plan``: ``vescale.parallelize(model, mesh, {}, inputs=[Batch("dp",
   "tp")] * 2)`` with calibrated costs: the solver chooses every placement;
 * ``parallelize, empty plan, budget``: the same with ``memory_budget`` = the leanest choice's
@@ -242,6 +248,9 @@ def main() -> None:
     if spec.titan is not None:
         titan = spec.titan
         modes["upstream TP+FSDP2 2-D"] = _prepare(lambda: _titan(titan))
+        compiled_step.CFG = titan  # Megatron TP over tp, DDP over dp: gpt.parallelize's
+        name, mode = compiled_step._upstream_comm_passes(mesh)
+        modes[f"{name}: Megatron TP x DDP"] = mode
     free, budgeted = "parallelize, empty plan", "parallelize, empty plan, budget"
     modes[free] = _prepare(lambda: _plan(spec, mesh, free, None))
     need: Any = _summaries[free + " memory"]
