@@ -182,7 +182,8 @@ def _graph_compiler(opts: BackendOptions, name: str, calls: Sequence[str] = ()) 
             graphs.append(CompiledGraph(name, gm, ctx))
         compiled = _codegen(gm, example_inputs, opts, name)
         sequence = [*calls, *ctx.reports["fingerprint"]]
-        cached = inductor_cache_key(compiled) if name.endswith(".forward") else None
+        listened = _forwards and name.endswith(".forward")  # nobody asks: nothing to record
+        cached = inductor_cache_key(compiled) if listened else None
         if cached is not None:
             forward = InductorForward(*cached, sequence, len(example_inputs), plain_aot_forward())
             for forwards in _forwards:

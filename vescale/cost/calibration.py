@@ -201,27 +201,25 @@ def _measure(mesh: DeviceMesh) -> CostModel:
     gamma = max(t[2] / _REPEAT - op_s, 1e-9) / (2 * big.numel() * big.element_size())
     fits = []
     for j, (_, _, n) in enumerate(groups):
-        small, large = t[3 + 2 * j], t[4 + 2 * j]
-        wires = [wire_bytes("all_reduce", n, s * 4) for s in SIZES]
         if n == 1:  # a group of one rank moves nothing: its collectives are never priced
             fits.append((quantize(1e-7), quantize(1e-13)))
             continue
+        small, large = t[3 + 2 * j], t[4 + 2 * j]
+        wires = [wire_bytes("all_reduce", n, s * 4) for s in SIZES]
         beta = max((large - small) / (wires[1] - wires[0]), 1e-13)
         fits.append((quantize(max(small - beta * wires[0], 1e-7)), quantize(beta)))
     per_dim = fits[: mesh.ndim]
     # each kind's time per wire byte over the all-reduce's, both at the large size over the
     # widest group, timed in the same rounds: a ratio, steady under a load that slows both
-    factors = []
-    for kind, seconds, nbytes in (
-        ("reduce_scatter", t[-2], KINDS_SIZE * 4),
-        ("all_gather", t[-1], KINDS_SIZE // n * 4),
-    ):
-        if n == 1:  # one rank: no wire to compare on
-            factors.append((kind, 1.0))
-            continue
+    timed = (("reduce_scatter", t[-2], KINDS_SIZE * 4), ("all_gather", t[-1], KINDS_SIZE // n * 4))
+    if n == 1:  # one rank: no wire to compare on
+        factors = [(kind, 1.0) for kind, _, _ in timed]
+    else:
         per_byte = t[-3] / wire_bytes("all_reduce", n, KINDS_SIZE * 4)
-        ratio = seconds / wire_bytes(kind, n, nbytes) / per_byte
-        factors.append((kind, quantize(ratio, steps_per_octave=1)))  # a power of 2
+        factors = [  # each a power of 2
+            (kind, quantize(seconds / wire_bytes(kind, n, nbytes) / per_byte, steps_per_octave=1))
+            for kind, seconds, nbytes in timed
+        ]
     return CostModel(
         tuple(a for a, _ in per_dim),
         tuple(b for _, b in per_dim),

@@ -27,6 +27,7 @@ from vescale._torch_compat import (
 from vescale.dtensor import DTensor
 from vescale.dtensor.deferred_init import materialize_module
 from vescale.dtensor.dtensor import new_dtensor, to_local
+from vescale.dtensor.placement_types import make_spec
 from vescale.passes.options import BackendOptions
 from vescale.plan.batch import Batch, batch_choices
 from vescale.plan.capture import capture_joint
@@ -113,12 +114,6 @@ def _spec_or_none(t: torch.Tensor) -> Any:
     return t._spec if isinstance(t, _UpstreamDTensor) else None
 
 
-def _replicated_spec(t: torch.Tensor, mesh: DeviceMesh) -> Any:
-    """The spec of plain ``t`` held whole by every rank of ``mesh``."""
-    rep = (Replicate(),) * mesh.ndim
-    return DTensor.from_local(t.detach(), mesh, rep, run_check=False)._spec
-
-
 class PlannedModule(nn.Module):
     """The parallelized model: ``module`` holds this rank's shards (DTensor parameters in the
     chosen placements, or its plain tensors when every one is replicated and the plan named
@@ -159,8 +154,11 @@ class PlannedModule(nn.Module):
         ]
         # the layouts of plain (replicated) parameters and buffers, fixed; a DTensor's is its own
         held = [slots[key] for slots, key in self._slots]
+        rep = (Replicate(),) * program.mesh.ndim
         self._plain_specs = [
-            None if isinstance(t, _UpstreamDTensor) else _replicated_spec(t, program.mesh)
+            None
+            if isinstance(t, _UpstreamDTensor)
+            else make_spec(program.mesh, rep, t.shape, t.stride(), t.dtype)
             for t in held
         ]
         self._in_specs: list[Any] = []  # the inputs' layouts, fixed at the first call

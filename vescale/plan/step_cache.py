@@ -31,10 +31,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from vescale._torch_compat import DTensorSpec, TensorMeta
 from vescale.backend import InductorForward
 from vescale.cost.calibration import cache_root, write_atomic
 from vescale.dtensor.flat_groups import flattened_meshes
+from vescale.dtensor.placement_types import make_spec
 from vescale.passes import BackendOptions
 from vescale.plan.cache import PACKAGE, enabled, source_digest
 from vescale.plan.program import PlacedProgram
@@ -194,10 +194,6 @@ def outputs_of(program: PlacedProgram, specs: Sequence[Any]) -> Outputs | None:
 def output_specs(program: PlacedProgram, entry: Entry) -> list[Any]:
     """The step's output specs as the traced step set them."""
     return [
-        DTensorSpec(
-            program.mesh,
-            p,
-            tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), _DTYPES[dtype]),
-        )
+        make_spec(program.mesh, p, shape, stride, _DTYPES[dtype])
         for p, (shape, stride, dtype) in zip(_demanded(program, len(entry.outputs)), entry.outputs)
     ]
