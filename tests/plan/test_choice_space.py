@@ -12,7 +12,8 @@
 * Parameters stay plain tensors (gradients too, as under upstream DDP) only when the plan
   names none of them and the choice replicates every one; a plan naming them replicated
   gives DTensors; both train like one device, a deferred-init model initialized as one; a
-  retained graph's second backward adds the same gradients again.
+  retained graph's second backward adds the same gradients again. The compiled DDP step's
+  gradients become the parameters' ``.grad`` as handed over (no copy).
 * A budget nothing fits: the same :class:`PlanError` on every rank, naming the smallest
   budget that fits; that budget fits and one byte less does not (meta mesh, no ranks).
 """
@@ -85,6 +86,10 @@ def _check_ddp() -> dict:
 
     with capture_graphs() as graphs:  # the placed step, compiled at its first call
         model = _placed(64, None)
+    import gpt
+
+    model.zero_grad()
+    handed = _handed_gradients(model, gpt.batch(_cfg(64), 0))
     placements = set(model.program.param_placements().values())
     records = [r for g in graphs for r in collective_table(g.gm, g.name)]
     return {
@@ -95,6 +100,8 @@ def _check_ddp() -> dict:
         "param_bytes": _param_bytes(model.module),
         # a data-parallel program keeps plain parameters and gradients, as upstream DDP does
         "plain": {(type(p).__name__, type(p.grad).__name__) for p in model.module.parameters()},
+        # each gradient the step hands over becomes its parameter's .grad, not a copy of it
+        "handed": handed == [_storage(p.grad) for p in model.parameters()],
     }
 
 
@@ -108,11 +115,36 @@ def test_empty_plan_free_batch_is_ddp_over_both_mesh_dims(pool4):
         assert out["inputs"][1] == rep, out["inputs"]
         assert out["recipe"] == "DDP over dp+tp", out["recipe"]
         assert out["plain"] == {("Parameter", "Tensor")}, out["plain"]
+        assert out["handed"]
         # the step: one all-reduce over the four ranks holding every gradient and the loss
         # value (one float32); nothing else (upstream DDP's one bucket)
         assert out["collectives"] == [("all_reduce", (0, 1, 2, 3), out["param_bytes"] + 4)], out[
             "collectives"
         ]
+
+
+def _storage(t: torch.Tensor) -> int:
+    return (t._local_tensor if isinstance(t, vescale.DTensor) else t).data_ptr()
+
+
+def _handed_gradients(model, inputs) -> list[int]:  # type: ignore[no-untyped-def]
+    """One step's backward; the storage of each gradient the placed step hands over."""
+    from vescale.plan import api
+
+    handed: list[int] = []
+    backward = api._AttachGrads.backward
+
+    def recorded(ctx, grad):  # type: ignore[no-untyped-def]
+        out = backward(ctx, grad)
+        handed.extend(_storage(t) for t in out if isinstance(t, torch.Tensor))
+        return out
+
+    api._AttachGrads.backward = staticmethod(recorded)  # type: ignore[method-assign]
+    try:
+        model(*inputs).backward()
+    finally:
+        api._AttachGrads.backward = staticmethod(backward)  # type: ignore[method-assign]
+    return handed
 
 
 def _check_plain_only_when_unnamed() -> dict:
