@@ -27,8 +27,8 @@ def _models(world: int, **kwargs):
     model = gpt.build(CFG).double()
     mesh = vescale.init_device_mesh("cpu", (world,))
     for block in model.blocks:
-        fully_shard(block, mesh, **kwargs)
-    fully_shard(model, mesh, **kwargs)
+        fully_shard(block, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
     return ref, model
 
 

@@ -1,11 +1,18 @@
 """``vescale.fsdp``: fully sharded data parallel over one flat buffer per module, each
 parameter a ``RaggedShard`` DTensor viewing its rank's share ([fsdp.md](../../docs/fsdp.md))."""
 
-from vescale.fsdp.api import MixedPrecisionPolicy, flat_group, fully_shard
+from vescale.fsdp.api import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    UnshardHandle,
+    flat_group,
+    fully_shard,
+)
 from vescale.fsdp.group import FlatGroup
 from vescale.fsdp.layout import FlatLayout, Slot, plan_layout
 
 __all__ = [
+    "FSDPModule",
     "FlatGroup",
     "FlatLayout",
     "MixedPrecisionPolicy",
@@ -13,4 +20,5 @@ __all__ = [
     "flat_group",
     "fully_shard",
     "plan_layout",
+    "UnshardHandle",
 ]

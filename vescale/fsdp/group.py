@@ -4,8 +4,9 @@
 
 * ``shard``: this rank's share of the flat buffer (:mod:`vescale.fsdp.layout`). Each
   parameter becomes an ``nn.Parameter`` DTensor with placement
-  ``RaggedShard(dims=(0,), local_units=<rows per rank>)`` whose local tensor is a view of
-  ``shard``: the optimizer updates the shard in place, nothing is copied back.
+  ``RaggedShard(dims=(0,), local_units=<rows per rank>)`` (``(Replicate(), RaggedShard)`` on
+  a 2-D mesh: HSDP, replicated over dim 0, sharded over dim 1) whose local tensor is a view
+  of ``shard``: the optimizer updates the shard in place, nothing is copied back.
 * ``full``: the gathered flat buffer (``world * share`` elements, in the compute dtype).
   :meth:`FlatGroup.gather` fills it with one ``all_gather_into_tensor`` (async) straight
   from ``shard`` (equal shares: no copy-in, no copy-out); every unsharded parameter is a
@@ -13,29 +14,48 @@
   refills the same storage, so views saved by autograd see the values again in backward.
 * backward (:class:`_Unshard`): every parameter's gradient is written once into its slot of
   one flat gradient buffer, which one async reduce-scatter sums into this rank's share while
-  backward goes on; at the end of backward the share is divided by the mesh size and each
-  parameter's ``.grad`` becomes a RaggedShard DTensor whose local tensor views it.
+  backward goes on (then, with HSDP, one all-reduce over the replicas); at the end of
+  backward the share is divided by the number of data-parallel ranks and each parameter's
+  ``.grad`` becomes a DTensor of the parameter's placements whose local tensor views it.
 
-With a ``param_dtype`` the shard stays the master copy (its dtype) and the gather sends a
-cast of it (one copy of the share: the cast itself); gradients are reduced in
+Every buffer lives on the mesh's device (:func:`mesh_device`); parameters on the meta device
+give a meta ``shard`` (materialized by ``module.to_empty``: :meth:`FlatGroup.apply`), and
+``vescale.deferred_init`` parameters are materialized here, each rank computing only its
+rows. With a ``param_dtype`` the shard stays the master copy (its dtype) and the gather sends
+a cast of it (one copy of the share: the cast itself); gradients are reduced in
 ``reduce_dtype`` and cast back to the master dtype.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.placement_types import Placement, Replicate
 
+from vescale.dtensor.deferred_init import is_deferred, materialize_dtensor
 from vescale.dtensor.dtensor import from_local, new_dtensor
 from vescale.dtensor.layout import contiguous_strides
 from vescale.dtensor.ragged import RaggedShard
 from vescale.fsdp.layout import FlatLayout, plan_layout
 
-__all__ = ["FlatGroup"]
+__all__ = ["FlatGroup", "Owners", "mesh_device"]
+
+Owners = Sequence[tuple[nn.Module, str]]  # the (module, attribute) pairs holding one parameter
+_record = torch.profiler.record_function
+
+
+def mesh_device(mesh: Any) -> torch.device:
+    """The device ``mesh``'s collectives run on: ``mesh.device_type``, with the current
+    device index for an accelerator."""
+    if mesh.device_type in ("cpu", "meta"):
+        return torch.device(mesh.device_type)
+    return torch.device(
+        mesh.device_type, torch.get_device_module(mesh.device_type).current_device()
+    )
 
 
 def _block(name: str, p: torch.Tensor) -> int:
@@ -52,67 +72,99 @@ def _block(name: str, p: torch.Tensor) -> int:
 class FlatGroup:
     """The flat-buffer state of one ``fully_shard`` module (see the module docstring).
 
-    ``params``: ``(owning module, attribute name, parameter)`` in layout order; ``names``:
-    their qualified names (for errors)."""
+    ``params``: ``(owners, parameter)`` in layout order, ``owners`` every ``(module,
+    attribute)`` holding it (more than one: tied weights); ``names``: their qualified names
+    (for errors). ``mesh``: 1-D (shard) or 2-D (replicate over dim 0, shard over dim 1)."""
 
     def __init__(
         self,
-        params: Sequence[tuple[nn.Module, str, nn.Parameter]],
+        params: Sequence[tuple[Owners, nn.Parameter]],
         names: Sequence[str],
         mesh: Any,
         *,
         param_dtype: torch.dtype | None,
         reduce_dtype: torch.dtype | None,
     ) -> None:
-        dtypes = {p.dtype for _, _, p in params}
+        dtypes = {p.dtype for _, p in params}
         if len(dtypes) > 1:
             raise ValueError(
                 f"fully_shard: one flat buffer needs one dtype, parameters {list(names)} "
                 f"have {sorted(map(str, dtypes))}; cast the module first"
             )
         self.mesh = mesh
-        self.pg = mesh.get_group(0)
-        self.world = mesh.size(0)
-        self.rank = mesh.get_local_rank(0)
+        self.device = mesh_device(mesh)
+        self.shard_dim = mesh.ndim - 1
+        self.world = mesh.size(self.shard_dim)
+        self.rank = mesh.get_local_rank(self.shard_dim)
+        self.replicas = mesh.size(0) if mesh.ndim == 2 else 1
         self.names = list(names)
-        self.owners = [(m, n) for m, n, _ in params]
-        self.shapes = [p.shape for _, _, p in params]
+        self.owners = [list(owners) for owners, _ in params]
+        self.shapes = [p.shape for _, p in params]
+        self.originals = {id(p) for _, p in params}  # to refuse ties across fully_shard calls
         self.layout: FlatLayout = plan_layout(
-            [(p.numel(), _block(n, p)) for n, (_, _, p) in zip(names, params)], self.world
+            [(p.numel(), _block(n, p)) for n, (_, p) in zip(names, params)], self.world
         )
-        master = next(iter(dtypes))
-        self.compute_dtype = param_dtype or master
-        self.reduce_dtype = reduce_dtype or self.compute_dtype
-        self.shard = torch.zeros(self.layout.share, dtype=master)
-        self.full = torch.empty(0, dtype=self.compute_dtype)
-        self._full_numel = self.world * self.layout.share
+        self.param_dtype = param_dtype
+        self.reduce_dtype_option = reduce_dtype
+        self.requires_gradient_sync = True
+        self.reshard_after_backward = True
+        self.divide_factor: float | None = None
         self._work: tuple[Any, torch.Tensor] | None = None
         self._pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None
+        self._unsynced: torch.Tensor | None = None  # gradients kept by no gradient sync
+        meta = [p.is_meta and not is_deferred(p) for _, p in params]
+        if any(meta) and not all(meta):
+            raise ValueError(
+                f"fully_shard: parameters {[n for n, m in zip(names, meta) if m]} are on the "
+                "meta device and others are not; put all of one module's on meta or none"
+            )
+        self._set_shard(
+            torch.zeros(
+                self.layout.share, dtype=dtypes.pop(), device="meta" if all(meta) else self.device
+            )
+        )
         self.sharded: list[nn.Parameter] = []
         with torch.no_grad():
-            for i, (module, attr, p) in enumerate(params):
-                start, length = self.layout.local_range(i, self.rank)
-                lo = self.rank * self.layout.share + start - self.layout.slots[i].offset
-                lo = lo if length else 0
-                local = self.shard.narrow(0, start, length)
-                local.copy_(p.detach().reshape(-1).narrow(0, lo, length))
+            for i, (owners, p) in enumerate(params):
+                local = self._local(i)
+                if is_deferred(p):
+                    local.copy_(materialize_dtensor(p, mesh, self.placements(i)).to_local())
+                elif not local.is_meta:
+                    start, length = self.layout.local_range(i, self.rank)
+                    lo = self.rank * self.layout.share + start - self.layout.slots[i].offset
+                    local.copy_(p.detach().reshape(-1).narrow(0, lo if length else 0, length))
                 sharded = nn.Parameter(self._dtensor(i, local), requires_grad=p.requires_grad)
-                module._parameters[attr] = sharded
+                for module, attr in owners:
+                    module._parameters[attr] = sharded
                 self.sharded.append(sharded)
         self._locals = [p._local_tensor for p in self.sharded]  # type: ignore[attr-defined]
 
+    def _set_shard(self, shard: torch.Tensor) -> None:
+        """Adopt ``shard`` (this rank's share) and its dtype; forget the gathered buffer."""
+        self.shard = shard
+        self.compute_dtype = self.param_dtype or shard.dtype
+        self.reduce_dtype = self.reduce_dtype_option or self.compute_dtype
+        self.full = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+        self._full_numel = self.world * self.layout.share
+
     # ---- layout ------------------------------------------------------------------------
 
-    def placement(self, index: int) -> RaggedShard:
-        """Parameter ``index``'s placement: its rows per rank as ``local_units``."""
-        return RaggedShard(dims=(0,), local_units=self.layout.slots[index].units)
+    def placements(self, index: int) -> list[Placement]:
+        """Parameter ``index``'s placements: its rows per rank as the RaggedShard's
+        ``local_units`` (after a ``Replicate()`` on a 2-D mesh)."""
+        ragged = RaggedShard(dims=(0,), local_units=self.layout.slots[index].units)
+        return [Replicate(), ragged] if self.mesh.ndim == 2 else [ragged]
+
+    def _local(self, index: int) -> torch.Tensor:
+        start, length = self.layout.local_range(index, self.rank)
+        return self.shard.narrow(0, start, length)
 
     def _dtensor(self, index: int, local: torch.Tensor) -> Any:
         shape = self.shapes[index]
         return from_local(
             local,
             self.mesh,
-            [self.placement(index)],
+            self.placements(index),
             run_check=False,
             shape=shape,
             stride=contiguous_strides(shape),
@@ -120,35 +172,57 @@ class FlatGroup:
 
     def check_storage(self) -> None:
         """Raise if a sharded parameter's local tensor no longer views ``shard`` (replaced by
-        ``load_state_dict(assign=True)``, ``.data =`` or a module-wide cast)."""
+        ``load_state_dict(assign=True)`` or ``.data =``), or if it is still on meta."""
         for name, p, local in zip(self.names, self.sharded, self._locals):
             if p._local_tensor is not local:  # type: ignore[attr-defined]
                 raise RuntimeError(
                     f"fully_shard: parameter {name!r} no longer views its flat shard (its local "
                     "tensor was replaced); update parameters in place (copy_, optimizers)"
                 )
+        if self.shard.is_meta:
+            raise RuntimeError(
+                f"fully_shard: parameters {self.names} are on the meta device; materialize "
+                f"them first (module.to_empty(device={str(self.device)!r}), then initialize)"
+            )
+
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """``nn.Module._apply``'s ``fn`` (``to_empty``, ``to``, ``double``, ...) on ``shard``;
+        the parameters (same objects, swapped in place) then view the new shard, gradients
+        are dropped. Call it resharded."""
+        with torch.no_grad():
+            self._set_shard(fn(self.shard))
+            for i, p in enumerate(self.sharded):
+                new = nn.Parameter(self._dtensor(i, self._local(i)), requires_grad=p.requires_grad)
+                torch.utils.swap_tensors(p, new)
+        self._locals = [p._local_tensor for p in self.sharded]  # type: ignore[attr-defined]
 
     # ---- all-gather ----------------------------------------------------------------------
+
+    def _pg(self) -> Any:
+        return self.mesh.get_group(self.shard_dim)
 
     def gather(self) -> None:
         """Issue the all-gather of ``shard`` into ``full`` (async); no-op if issued or done."""
         if self._work is not None or self.full.untyped_storage().nbytes() > 0:
             return
-        if self.full.numel() == 0:
-            self.full = torch.empty(self._full_numel, dtype=self.compute_dtype)
-        else:
-            self.full.untyped_storage().resize_(self._full_numel * self.full.element_size())
-        src = (
-            self.shard
-            if self.compute_dtype == self.shard.dtype
-            else self.shard.to(self.compute_dtype)
-        )
-        # ``.data``: a fresh version counter, so refilling ``full`` before backward does not
-        # invalidate the views autograd saved in forward. ``src`` lives until the wait.
-        self._work = (
-            dist.all_gather_single(self.full.data, src, group=self.pg, async_op=True),
-            src,
-        )
+        with _record("vescale.fsdp::all_gather"):
+            if self.full.numel() == 0:
+                self.full = torch.empty(
+                    self._full_numel, dtype=self.compute_dtype, device=self.device
+                )
+            else:
+                self.full.untyped_storage().resize_(self._full_numel * self.full.element_size())
+            src = (
+                self.shard
+                if self.compute_dtype == self.shard.dtype
+                else self.shard.to(self.compute_dtype)
+            )
+            # ``.data``: a fresh version counter, so refilling ``full`` before backward does
+            # not invalidate the views autograd saved in forward. ``src`` lives until the wait.
+            self._work = (
+                dist.all_gather_single(self.full.data, src, group=self._pg(), async_op=True),
+                src,
+            )
 
     def wait(self) -> None:
         """Gather (if not issued) and wait: ``full`` holds every rank's share."""
@@ -179,14 +253,21 @@ class FlatGroup:
     # ---- reduce-scatter ----------------------------------------------------------------
 
     def reduce_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
-        """Issue one reduce-scatter (async, a sum) of every gradient laid in one flat buffer
-        (one ``cat``: the only copy), and queue :meth:`finish_grads` for the end of this
-        backward."""
-        flat = torch.empty(self._full_numel, dtype=self.reduce_dtype)
-        with torch.profiler.record_function("vescale.fsdp::reduce_scatter_copy_in"):
+        """Lay every gradient in one flat buffer (one ``cat``: the only copy). Without
+        gradient sync, add it to the kept unsharded gradients; else issue one reduce-scatter
+        (async, a sum) of it and queue :meth:`finish_grads` for the end of this backward."""
+        flat = torch.empty(self._full_numel, dtype=self.reduce_dtype, device=self.device)
+        with _record("vescale.fsdp::reduce_scatter_copy_in"):
             torch.cat(self._pieces(grads), out=flat)
-        reduced = torch.empty(self.layout.share, dtype=self.reduce_dtype)
-        work = dist.reduce_scatter_single(reduced, flat, group=self.pg, async_op=True)
+            if self._unsynced is not None:
+                flat.add_(self._unsynced)
+                self._unsynced = None
+        if not self.requires_gradient_sync:
+            self._unsynced = flat
+            return
+        reduced = torch.empty(self.layout.share, dtype=self.reduce_dtype, device=self.device)
+        with _record("vescale.fsdp::reduce_scatter"):
+            work = dist.reduce_scatter_single(reduced, flat, group=self._pg(), async_op=True)
         self._pending = (work, reduced, flat)
         torch.autograd.Variable._execution_engine.queue_callback(self.finish_grads)
 
@@ -204,17 +285,22 @@ class FlatGroup:
         return pieces
 
     def _zeros(self, n: int) -> torch.Tensor:
-        return torch.zeros(n, dtype=self.reduce_dtype)
+        return torch.zeros(n, dtype=self.reduce_dtype, device=self.device)
 
     def finish_grads(self) -> None:
-        """Wait for the reduce-scatter; each parameter's ``.grad`` becomes (or accumulates) a
-        RaggedShard DTensor whose local tensor views the reduced share."""
+        """Wait for the reduce-scatter (all-reduce the share over the replicas with HSDP);
+        each parameter's ``.grad`` becomes (or accumulates) a DTensor whose local tensor
+        views the reduced share, divided by the data-parallel size (or the divide factor)."""
         if self._pending is None:
             return
         work, reduced, _ = self._pending
         work.wait()
         self._pending = None
-        reduced = reduced.to(self.shard.dtype).div_(self.world)  # the sum over ranks -> mean
+        if self.replicas > 1:
+            with _record("vescale.fsdp::all_reduce"):
+                dist.all_reduce(reduced, group=self.mesh.get_group(0))
+        factor = self.divide_factor or self.world * self.replicas
+        reduced = reduced.to(self.shard.dtype).div_(factor)  # the sum over ranks -> mean
         for i, p in enumerate(self.sharded):
             if not p.requires_grad:
                 continue
@@ -240,5 +326,6 @@ class _Unshard(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:  # type: ignore[override]
         group: FlatGroup = ctx.group
         group.reduce_grads(grads)
-        group.free()
+        if group.reshard_after_backward:
+            group.free()
         return (None,) * (len(grads) + 1)
