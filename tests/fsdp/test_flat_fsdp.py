@@ -257,23 +257,11 @@ def test_layout_never_cuts_a_block(seed):
     assert share <= math.ceil(total / world) + 2 * widest
 
 
-def _misuse_two_dim_mesh() -> None:
-    mesh = vescale.init_device_mesh("cpu", (2, 2))
-    fully_shard(gpt.build(CFG), mesh)
+def _misuse_three_dim_mesh() -> None:
+    mesh = vescale.init_device_mesh("cpu", (1, 2, 2))
+    fully_shard(gpt.build(CFG), mesh=mesh)
 
 
-def test_two_dim_mesh_is_refused(pool4):
-    err = error_everywhere(pool4, _misuse_two_dim_mesh)
-    assert "fully_shard: mesh must be 1-D" in err.message
-
-
-def _misuse_tied() -> None:
-    mesh = vescale.init_device_mesh("cpu", (2,))
-    model = gpt.build(CFG)
-    model.head.weight = model.tok.weight
-    fully_shard(model, mesh)
-
-
-def test_tied_weights_are_refused(pool2):
-    err = error_everywhere(pool2, _misuse_tied)
-    assert "'head.weight' is shared" in err.message
+def test_three_dim_mesh_is_refused(pool4):
+    err = error_everywhere(pool4, _misuse_three_dim_mesh)
+    assert "fully_shard: mesh must be 1-D (shard) or 2-D (replicate, shard: HSDP)" in err.message

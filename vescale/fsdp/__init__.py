@@ -17,8 +17,8 @@ __all__ = [
     "FlatLayout",
     "MixedPrecisionPolicy",
     "Slot",
+    "UnshardHandle",
     "flat_group",
     "fully_shard",
     "plan_layout",
-    "UnshardHandle",
 ]

@@ -21,9 +21,9 @@ eager (the backend's passes see none of them).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -191,7 +191,7 @@ def fully_shard(
     group = FlatGroup(
         params, names, mesh, param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype
     )
-    state = _State(group, reshard_after_forward, policy.cast_forward_inputs)
+    state = _State(group, cast(bool | None, reshard_after_forward), policy.cast_forward_inputs)
     module._vescale_fsdp_state = state  # type: ignore[assignment]
     module.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
     module.register_forward_hook(state.post_forward, always_call=True)
@@ -249,9 +249,9 @@ class FSDPModule(nn.Module):
         them with no all-gather; for gradient accumulation, call :meth:`reshard` before a
         forward that follows an optimizer step)."""
         for m in self._fsdp_modules(recurse):
-            _state_of(m, "set_reshard_after_backward").group.reshard_after_backward = (
-                reshard_after_backward
-            )
+            _state_of(
+                m, "set_reshard_after_backward"
+            ).group.reshard_after_backward = reshard_after_backward
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
@@ -259,9 +259,9 @@ class FSDPModule(nn.Module):
         """``False``: backward keeps the unsharded gradients (no collective) and the next
         synced backward reduces their sum (gradient accumulation without communication)."""
         for m in self._fsdp_modules(recurse):
-            _state_of(m, "set_requires_gradient_sync").group.requires_gradient_sync = (
-                requires_gradient_sync
-            )
+            _state_of(
+                m, "set_requires_gradient_sync"
+            ).group.requires_gradient_sync = requires_gradient_sync
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Issue these modules' all-gathers when this module's forward begins (instead of the

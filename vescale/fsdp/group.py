@@ -95,7 +95,7 @@ class FlatGroup:
         self.device = mesh_device(mesh)
         self.shard_dim = mesh.ndim - 1
         self.world = mesh.size(self.shard_dim)
-        self.rank = mesh.get_local_rank(self.shard_dim)
+        self.rank = mesh.get_coordinate()[self.shard_dim]  # no process group on a meta mesh
         self.replicas = mesh.size(0) if mesh.ndim == 2 else 1
         self.names = list(names)
         self.owners = [list(owners) for owners, _ in params]
