@@ -101,7 +101,7 @@ def main() -> None:
     mesh = vescale.init_device_mesh("cpu", (world,))
     modes = {
         "upstream FSDP2": _build(cfg, lambda m: upstream_fully_shard(m, mesh=up_mesh)),
-        "vescale.fsdp": _build(cfg, lambda m: fully_shard(m, mesh)),
+        "vescale.fsdp": _build(cfg, lambda m: fully_shard(m, mesh=mesh)),
     }
     first = {name: step(0) for name, step in modes.items()}  # warm-up; same batch, same model
     losses = list(first.values())

@@ -160,8 +160,8 @@ def optimizers(model: gpt.GPT, lr: float = 0.02) -> list[torch.optim.Optimizer]:
 def shard(model: gpt.GPT, mesh: Any) -> gpt.GPT:
     """``fully_shard`` every block, then the root."""
     for block in model.blocks:
-        fully_shard(block, mesh)
-    fully_shard(model, mesh)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

@@ -274,6 +274,8 @@ def load_inductor_graph(key: str, debug_lines: list[str], examples: Sequence[Any
 #   OpOverload._schema, FunctionSchema._is_view_op         (op arguments by name; views)
 #   Tensor._make_wrapper_subclass, torch._C._disabled_torch_function_impl,
 #     nn.Module._parameters / _buffers                      (deferred init's fake tensors)
+#   nn.Module._apply                                         (vescale.fsdp: to_empty/casts on
+#                                                             the flat shard, as FSDP2's)
 #   Variable._execution_engine, torch._C._current_graph_task_id
 #                                                          (DDP's end-of-backward callback; one
 #                                                           explicit-mode check per backward)
@@ -327,6 +329,7 @@ PRIVATE_ATTRIBUTES = (
     ("Tensor", "_make_wrapper_subclass"),
     ("Module", "_parameters"),
     ("Module", "_buffers"),
+    ("Module", "_apply"),
     ("Variable", "_execution_engine"),
     ("Library", "_destroy"),
     ("make_boxed_func", "_boxed_call"),

@@ -153,7 +153,7 @@ def fully_shard(
     accelerator if any) 1-D shards, 2-D replicates over dim 0 and shards over dim 1 (HSDP).
     Parameters may be on the meta device (then ``module.to_empty(device=...)`` and an
     in-place init, on each rank's share) or ``vescale.deferred_init``-ed (each rank
-    materializes its share, equal to eager init); otherwise every rank must hold the same
+    keeps its share, equal to eager init); otherwise every rank must hold the same
     full parameters. Tied parameters must all be in one call.
     ``reshard_after_forward``: free the gathered buffer after forward (default: ``True``,
     ``False`` for the module whose forward runs outermost); an int is not supported.

@@ -18,10 +18,11 @@
   backward the share is divided by the number of data-parallel ranks and each parameter's
   ``.grad`` becomes a DTensor of the parameter's placements whose local tensor views it.
 
-Every buffer lives on the mesh's device (:func:`mesh_device`); parameters on the meta device
-give a meta ``shard`` (materialized by ``module.to_empty``: :meth:`FlatGroup.apply`), and
-``vescale.deferred_init`` parameters are materialized here, each rank computing only its
-rows. With a ``param_dtype`` the shard stays the master copy (its dtype) and the gather sends
+Every buffer lives on the mesh's device (``mesh.device_type``, the current device index
+for an accelerator). Parameters on the meta device give a meta ``shard`` (materialized by
+``module.to_empty``: :meth:`FlatGroup.apply`); ``vescale.deferred_init`` parameters are
+materialized here, each rank keeping only its share (``materialize_dtensor`` computes a
+``RaggedShard`` parameter whole, one parameter at a time). With a ``param_dtype`` the shard stays the master copy (its dtype) and the gather sends
 a cast of it (one copy of the share: the cast itself); gradients are reduced in
 ``reduce_dtype`` and cast back to the master dtype.
 """
@@ -37,25 +38,15 @@ from torch import nn
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from vescale.dtensor.deferred_init import is_deferred, materialize_dtensor
-from vescale.dtensor.dtensor import from_local, new_dtensor
+from vescale.dtensor.dtensor import _comm_device, from_local, new_dtensor
 from vescale.dtensor.layout import contiguous_strides
 from vescale.dtensor.ragged import RaggedShard
 from vescale.fsdp.layout import FlatLayout, plan_layout
 
-__all__ = ["FlatGroup", "Owners", "mesh_device"]
+__all__ = ["FlatGroup", "Owners"]
 
 Owners = Sequence[tuple[nn.Module, str]]  # the (module, attribute) pairs holding one parameter
 _record = torch.profiler.record_function
-
-
-def mesh_device(mesh: Any) -> torch.device:
-    """The device ``mesh``'s collectives run on: ``mesh.device_type``, with the current
-    device index for an accelerator."""
-    if mesh.device_type in ("cpu", "meta"):
-        return torch.device(mesh.device_type)
-    return torch.device(
-        mesh.device_type, torch.get_device_module(mesh.device_type).current_device()
-    )
 
 
 def _block(name: str, p: torch.Tensor) -> int:
@@ -92,7 +83,7 @@ class FlatGroup:
                 f"have {sorted(map(str, dtypes))}; cast the module first"
             )
         self.mesh = mesh
-        self.device = mesh_device(mesh)
+        self.device = _comm_device(mesh)  # mesh.device_type, the current index for cuda
         self.shard_dim = mesh.ndim - 1
         self.world = mesh.size(self.shard_dim)
         self.rank = mesh.get_coordinate()[self.shard_dim]  # no process group on a meta mesh
@@ -126,7 +117,7 @@ class FlatGroup:
         self.sharded: list[nn.Parameter] = []
         with torch.no_grad():
             for i, (owners, p) in enumerate(params):
-                local = self._local(i)
+                local = self._view_of_shard(i)
                 if is_deferred(p):
                     local.copy_(materialize_dtensor(p, mesh, self.placements(i)).to_local())
                 elif not local.is_meta:
@@ -155,7 +146,7 @@ class FlatGroup:
         ragged = RaggedShard(dims=(0,), local_units=self.layout.slots[index].units)
         return [Replicate(), ragged] if self.mesh.ndim == 2 else [ragged]
 
-    def _local(self, index: int) -> torch.Tensor:
+    def _view_of_shard(self, index: int) -> torch.Tensor:
         start, length = self.layout.local_range(index, self.rank)
         return self.shard.narrow(0, start, length)
 
@@ -192,7 +183,9 @@ class FlatGroup:
         with torch.no_grad():
             self._set_shard(fn(self.shard))
             for i, p in enumerate(self.sharded):
-                new = nn.Parameter(self._dtensor(i, self._local(i)), requires_grad=p.requires_grad)
+                new = nn.Parameter(
+                    self._dtensor(i, self._view_of_shard(i)), requires_grad=p.requires_grad
+                )
                 torch.utils.swap_tensors(p, new)
         self._locals = [p._local_tensor for p in self.sharded]  # type: ignore[attr-defined]
 
