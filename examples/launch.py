@@ -69,3 +69,10 @@ def init_distributed(device: str | None, timeout: timedelta | None = None) -> st
     else:
         dist.init_process_group(BACKENDS[device], timeout=timeout)
     return device
+
+
+def synchronize(device: str) -> None:
+    """Wait for the work queued on ``device`` (CUDA runs asynchronously): before reading a
+    timer."""
+    if device == "cuda":
+        torch.cuda.synchronize()

@@ -190,13 +190,11 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = gpt.GPTConfig()
     mesh = vescale.init_device_mesh(device, (world,))
-    model = shard(gpt.build(cfg).to(device), mesh)
+    model = shard(gpt.build(cfg, device=device), mesh)
     batches = []
     for step in range(args.steps):
-        ids, targets = (
-            t[2 * rank : 2 * rank + 2].to(device) for t in gpt.batch(cfg, step, 2 * world)
-        )
-        batches.append((ids, targets))
+        ids, targets = gpt.batch(cfg, step, batch_size=2 * world, device=device)
+        batches.append((ids[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2]))
     losses = train(model, optimizers(model), batches)
     if rank == 0:
         for step, loss in enumerate(losses):

@@ -34,16 +34,13 @@ def main() -> None:
     device = init_distributed(parser.parse_args().device)
     mesh = vescale.init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "tp"))
     cfg = gpt.GPTConfig(vocab=1024)
-
-    def batch(step: int) -> list[torch.Tensor]:
-        return [t.to(device) for t in gpt.batch(cfg, step)]
-
+    example = gpt.batch(cfg, 0, device=device)
     model = vescale.parallelize(
-        gpt.build(cfg).to(device), mesh, PLAN, inputs=[BATCH, BATCH], example_inputs=batch(0)
+        gpt.build(cfg, device=device), mesh, PLAN, inputs=[BATCH, BATCH], example_inputs=example
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(3):
-        loss = model(*batch(step))
+        loss = model(*gpt.batch(cfg, step, device=device))
         opt.zero_grad()
         loss.backward()
         opt.step()

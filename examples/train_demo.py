@@ -119,7 +119,7 @@ def gpt_runs(
         "vescale": train(compiled, cfg, steps, lr, sharded),
         "eager": train(distributed(), cfg, steps, lr, sharded),
         "1-device": train(
-            gpt.build(cfg).to(device), cfg, steps, lr, lambda i, t: (i.to(device), t.to(device))
+            gpt.build(cfg, device=device), cfg, steps, lr, lambda i, t: (i.to(device), t.to(device))
         ),
     }
 
