@@ -3,6 +3,7 @@ passes off and on), the torchtitan-style 2-D recipe, the vescale backend with it
 and on, and a compute-only lower bound.
 
     torchrun --standalone --nproc-per-node 4 benchmarks/compiled_step.py [--steps 20] [--sweep 1 25]
+        [--device cpu|cuda]
 
 Same GPT (``examples/gpt.py``, 4 blocks) on a (world/2, 2) mesh for every mode, a step is
 forward, backward and an SGD step:
@@ -62,6 +63,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import gpt
+from launch import BACKENDS, add_device_argument, init_distributed, synchronize
 
 import vescale
 from vescale import backend as vescale_backend
@@ -72,6 +74,7 @@ from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR
 from vescale.plan import calibrate
 
 CFG = gpt.GPTConfig(vocab=128, seq=32, dim=64, heads=4, layers=4)
+DEVICE = "cpu"  # main sets it from --device (examples/launch.py)
 CFG_BATCH = 8  # gpt.batch's global batch size
 PLAN_ROW = "vescale plan path (parallelize, global solver)"
 PLAN_FREE = "plan path, compute only"
@@ -114,7 +117,9 @@ COMM_PASSES: dict[str, Any] = {
 
 
 def _vescale_step(mesh: vescale.DeviceMesh, backend: str | None, options: dict | None) -> Step:
-    model: torch.nn.Module = DistributedDataParallel(gpt.parallelize(gpt.build(CFG), mesh))
+    model: torch.nn.Module = DistributedDataParallel(
+        gpt.parallelize(gpt.build(CFG, device=DEVICE), mesh)
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     # a backend object per mode: Dynamo's cache entries match the backend by identity, and
     # every mode lives in one process, so modes must not reuse one another's graphs
@@ -122,7 +127,7 @@ def _vescale_step(mesh: vescale.DeviceMesh, backend: str | None, options: dict |
         model = torch.compile(model, backend=functools.partial(vescale_backend_fn, options=options))
     elif backend == "inductor":
         model = torch.compile(model, backend=functools.partial(compile_fx))
-    return model, opt, [gpt.shard_batch(mesh, *gpt.batch(CFG, i)) for i in range(4)]
+    return model, opt, [gpt.shard_batch(mesh, *gpt.batch(CFG, i, device=DEVICE)) for i in range(4)]
 
 
 _plan_summary: list[str] = []
@@ -133,16 +138,16 @@ def _plan_step(mesh: vescale.DeviceMesh) -> Step:
     plan = {**gpt.PLAN, "*": (Replicate(), Replicate())}  # every parameter as gpt.parallelize
     batch = {"dp": Shard(0)}
     model = vescale.parallelize(
-        gpt.build(CFG),
+        gpt.build(CFG, device=DEVICE),
         mesh,
         plan,
         inputs=[batch, batch],
-        example_inputs=gpt.batch(CFG, 0),
+        example_inputs=gpt.batch(CFG, 0, device=DEVICE),
         alpha_beta=calibrate(mesh),
     )
     _plan_summary.append(model.explain().summary())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    return model, opt, [gpt.batch(CFG, i) for i in range(4)]
+    return model, opt, [gpt.batch(CFG, i, device=DEVICE) for i in range(4)]
 
 
 def _local_attention(self: gpt.Attention, x: torch.Tensor) -> torch.Tensor:
@@ -159,10 +164,10 @@ def _local_attention(self: gpt.Attention, x: torch.Tensor) -> torch.Tensor:
 def _titan_step() -> Step:
     """The torchtitan-style 2-D recipe on the plain model (see module docstring)."""
     mesh = upstream_init_device_mesh(
-        "cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp")
+        DEVICE, (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp")
     )
     tp, dp = mesh["tp"], mesh["dp"]
-    model = gpt.build(CFG)
+    model = gpt.build(CFG, device=DEVICE)
     styles = {"attn.proj": RowwiseParallel(), "mlp.proj": RowwiseParallel()}
     styles |= {name: ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v", "mlp.fc")}
     for block in model.blocks:
@@ -177,7 +182,9 @@ def _titan_step() -> Step:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rows = CFG_BATCH // dp.size()
     first = dp.get_local_rank() * rows
-    batches = [tuple(a[first : first + rows] for a in gpt.batch(CFG, i)) for i in range(4)]
+    batches = [
+        tuple(a[first : first + rows] for a in gpt.batch(CFG, i, device=DEVICE)) for i in range(4)
+    ]
     return model, opt, batches
 
 
@@ -251,20 +258,27 @@ def _prepare(
 
         def step(i: int = 0, phases: list[float] | None = None) -> Any:
             """Step ``i``; ``phases`` gets its forward, backward and optimizer seconds."""
-            t0 = time.perf_counter()
+
+            def now() -> float:  # a phase's end on the device too (only when phases are read)
+                if phases is not None:
+                    synchronize(DEVICE)
+                return time.perf_counter()
+
+            t0 = now()
             loss = model(*batches[i % len(batches)])
-            t1 = time.perf_counter()
+            t1 = now()
             opt.zero_grad()
             loss.backward()
-            t2 = time.perf_counter()
+            t2 = now()
             opt.step()
             if phases is not None:
-                phases += [t1 - t0, t2 - t1, time.perf_counter() - t2]
+                phases += [t1 - t0, t2 - t1, now() - t2]
             return loss
 
         dist.barrier()
         t0 = time.perf_counter()
         loss = step(0)
+        synchronize(DEVICE)
         first = time.perf_counter() - t0
         value = loss_value(loss)
         step(1)
@@ -280,6 +294,7 @@ def _time_interleaved(modes: dict[str, _Mode], steps: int) -> None:
             dist.barrier()
             t0 = time.perf_counter()
             mode.step(3 + i)
+            synchronize(DEVICE)
             mode.times.append(time.perf_counter() - t0)
 
 
@@ -306,11 +321,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--sweep", type=float, nargs="*", default=[])
     parser.add_argument("--skip", nargs="*", default=[], help="modes (row names) not to run")
+    add_device_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    global DEVICE
+    DEVICE = init_distributed(args.device, timeout=timedelta(seconds=300))
     mesh = vescale.init_device_mesh(
-        "cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp")
+        DEVICE, (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp")
     )
     torch.compile(lambda a: a.sin() * 2)(torch.randn(8))  # Inductor start-up, charged to no one
     vescale_modes: dict[str, tuple[str | None, dict | None]] = {
@@ -356,7 +373,8 @@ Row = tuple[float, float, int, int, float | None]
 
 def _print(rows: dict[str, Row], mesh: vescale.DeviceMesh) -> None:
     base = rows.get("eager vescale", next(iter(rows.values())))[0]
-    print(f"GPT {CFG}, (dp={mesh.size(0)}, tp={mesh.size(1)}) gloo CPU ranks, SGD step")
+    ranks = f"{BACKENDS[DEVICE]} {DEVICE.upper()} ranks"
+    print(f"GPT {CFG}, (dp={mesh.size(0)}, tp={mesh.size(1)}) {ranks}, SGD step")
     head = (
         f"{'mode':<46} {'step ms':>8} {'vs eager':>9} {'colls/step':>10} {'KiB/step':>9} "
         f"{'compile s':>9} {'loss 0':>8}"

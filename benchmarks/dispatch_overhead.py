@@ -1,9 +1,10 @@
 """Eager per-op dispatch cost: plain torch vs upstream DTensor vs vescale DTensor.
 
     python benchmarks/dispatch_overhead.py [--batches 300 --calls 20] [--interleaved]
+        [--device cpu|cuda]
 
 Each variant runs in its own process, on the single-process ``fake`` process group with a
-2-rank mesh, one thread, 64x64 float32 CPU tensors: ``upstream`` is upstream DTensor without
+2-rank mesh, one thread, 64x64 float32 tensors on ``--device`` (the host's cost per call): ``upstream`` is upstream DTensor without
 vescale imported, ``up+import`` the same upstream program in a process that imported vescale
 (it must cost what it cost before), ``vescale`` vescale DTensors, ``vescale+hook`` with a
 hook registered on an op the benchmark never calls. Placement ``mixed`` is ``Shard(0)`` op
@@ -23,12 +24,14 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 OPS = ["add", "mul", "relu", "mm", "addmm", "view", "sum", "layer_norm", "softmax"]
 PLACEMENTS = ["Replicate", "Shard(0)", "mixed"]
 MIXED_OPS = ["add", "mul"]
 VARIANTS = ["torch", "upstream", "up+import", "vescale", "vescale+hook"]
+_DEVICE_HELP = "as examples/launch.py's --device (default: cuda when a GPU is present)"
 
 
 def _op_fns(torch: Any, F: Any, x: Any, y: Any, c: Any, w: Any, *, sharded: bool) -> dict[str, Any]:
@@ -47,7 +50,7 @@ def _op_fns(torch: Any, F: Any, x: Any, y: Any, c: Any, w: Any, *, sharded: bool
     }
 
 
-def _worker(variant: str, batches: int, calls: int) -> dict[str, float]:
+def _worker(variant: str, batches: int, calls: int, device: str) -> dict[str, float]:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -67,10 +70,10 @@ def _worker(variant: str, batches: int, calls: int) -> dict[str, float]:
 
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    mesh = init_device_mesh("cpu", (2,))
+    mesh = init_device_mesh(device, (2,))
     torch.manual_seed(0)
-    a, b, bias = torch.randn(64, 64), torch.randn(64, 64), torch.randn(64)
-    ln_w = torch.ones(64)
+    a, b, bias = (torch.randn(*s).to(device) for s in ((64, 64), (64, 64), (64,)))
+    ln_w = torch.ones(64, device=device)
     results: dict[str, float] = {}
     for pname in PLACEMENTS:
         if variant == "torch":
@@ -98,7 +101,7 @@ def _worker(variant: str, batches: int, calls: int) -> dict[str, float]:
     return results
 
 
-def _interleaved(batches: int, calls: int) -> None:
+def _interleaved(batches: int, calls: int, device: str) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.tensor as upstream
@@ -112,11 +115,12 @@ def _interleaved(batches: int, calls: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     make = {
-        "upstream": (upstream_mesh("cpu", (2,)), upstream.distribute_tensor),
-        "vescale": (vescale.init_device_mesh("cpu", (2,)), vescale.distribute_tensor),
+        "upstream": (upstream_mesh(device, (2,)), upstream.distribute_tensor),
+        "vescale": (vescale.init_device_mesh(device, (2,)), vescale.distribute_tensor),
     }
     torch.manual_seed(0)
-    a, b, bias, ln_w = torch.randn(64, 64), torch.randn(64, 64), torch.randn(64), torch.ones(64)
+    a, b, bias = (torch.randn(*s).to(device) for s in ((64, 64), (64, 64), (64,)))
+    ln_w = torch.ones(64, device=device)
     print(f"{'op':<11} {'placement':<10} {'upstream':>9} {'vescale':>8} {'vescale/up':>10}")
     ratios = []
     for pname in PLACEMENTS:
@@ -161,16 +165,21 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=300)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--interleaved", action="store_true")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help=_DEVICE_HELP)
     args = parser.parse_args()
-    if args.interleaved:
-        _interleaved(args.batches, args.calls)
+    if args.worker:  # the parent chose the device; a worker imports no more than its variant
+        print(json.dumps(_worker(args.worker, args.batches, args.calls, args.device)))
         return
-    if args.worker:
-        print(json.dumps(_worker(args.worker, args.batches, args.calls)))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from launch import select_device
+
+    device = select_device(args.device)
+    if args.interleaved:
+        _interleaved(args.batches, args.calls, device)
         return
     runs = {}
     for variant in VARIANTS:
-        cmd = [sys.executable, __file__, "--worker", variant]
+        cmd = [sys.executable, __file__, "--worker", variant, "--device", device]
         cmd += ["--batches", str(args.batches), "--calls", str(args.calls)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         runs[variant] = json.loads(out.strip().splitlines()[-1])

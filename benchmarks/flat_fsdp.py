@@ -1,7 +1,7 @@
 """``vescale.fsdp.fully_shard`` (one flat buffer per block, RaggedShard parameters) against
 upstream ``torch.distributed.fsdp.fully_shard`` (FSDP2, ``Shard(0)`` parameters), eager.
 
-    torchrun --standalone --nproc-per-node 4 benchmarks/flat_fsdp.py [--steps 10] [--dim 128]
+    torchrun --standalone --nproc-per-node 4 benchmarks/flat_fsdp.py [--steps 10] [--dim 128] [--device cpu|cuda]
 
 The plain GPT of ``examples/gpt.py`` (``--dim``, 4 layers; batch 4 sequences per rank), each
 block and the root sharded over the world (gloo, CPU), SGD. Each mode is built and warmed up;
@@ -39,6 +39,7 @@ from torch.distributed.fsdp import fully_shard as upstream_fully_shard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import gpt
+from launch import BACKENDS, add_device_argument, init_distributed
 
 import vescale
 from vescale.fsdp import fully_shard
@@ -52,8 +53,10 @@ COPIES = {
 LAYERS, BATCH = 4, 4
 
 
-def _build(cfg: gpt.GPTConfig, shard: Callable[[torch.nn.Module], None]) -> Callable[[int], float]:
-    model = gpt.build(cfg)
+def _build(
+    cfg: gpt.GPTConfig, shard: Callable[[torch.nn.Module], None], device: str
+) -> Callable[[int], float]:
+    model = gpt.build(cfg, device=device)
     for block in model.blocks:
         shard(block)
     shard(model)
@@ -61,7 +64,7 @@ def _build(cfg: gpt.GPTConfig, shard: Callable[[torch.nn.Module], None]) -> Call
     rank = dist.get_rank()
 
     def step(i: int) -> float:
-        ids, targets = gpt.batch(cfg, i, batch_size=BATCH * dist.get_world_size())
+        ids, targets = gpt.batch(cfg, i, BATCH * dist.get_world_size(), device)
         mine = slice(rank * BATCH, (rank + 1) * BATCH)
         loss = model(ids[mine], targets[mine])
         loss.backward()
@@ -92,16 +95,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dim", type=int, default=128)
+    add_device_argument(parser)
     args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    device = init_distributed(args.device, timeout=timedelta(seconds=300))
     torch.set_num_threads(1)
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg = gpt.GPTConfig(vocab=512, seq=64, dim=args.dim, heads=4, layers=LAYERS)
-    up_mesh = upstream_init_device_mesh("cpu", (world,))
-    mesh = vescale.init_device_mesh("cpu", (world,))
+    up_mesh = upstream_init_device_mesh(device, (world,))
+    mesh = vescale.init_device_mesh(device, (world,))
     modes = {
-        "upstream FSDP2": _build(cfg, lambda m: upstream_fully_shard(m, mesh=up_mesh)),
-        "vescale.fsdp": _build(cfg, lambda m: fully_shard(m, mesh=mesh)),
+        "upstream FSDP2": _build(cfg, lambda m: upstream_fully_shard(m, mesh=up_mesh), device),
+        "vescale.fsdp": _build(cfg, lambda m: fully_shard(m, mesh=mesh), device),
     }
     first = {name: step(0) for name, step in modes.items()}  # warm-up; same batch, same model
     losses = list(first.values())
@@ -121,7 +125,7 @@ def main() -> None:
     kinds = list(next(iter(copies.values())))
     base = "upstream FSDP2"
     print(f"GPT dim={cfg.dim} layers={LAYERS} vocab={cfg.vocab} seq={cfg.seq}, batch {BATCH}/rank,")
-    print(f"{world} gloo ranks, SGD; medians of {args.steps} steps (rank 0)\n")
+    print(f"{world} {BACKENDS[device]} ranks, SGD; medians of {args.steps} steps (rank 0)\n")
     print(
         f"{'mode':<16}{'step ms':>10}" + "".join(f"{k:>24}" for k in kinds) + f"{'copies ms':>11}"
     )

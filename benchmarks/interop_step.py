@@ -1,7 +1,7 @@
 """Step time of a model laid out by upstream tools, compiled with ``backend="vescale"`` vs
 ``backend="inductor"`` (issue 13 item 3).
 
-    torchrun --standalone --nproc-per-node 4 benchmarks/interop_step.py [--steps 10] [--width 256]
+    torchrun --standalone --nproc-per-node 4 benchmarks/interop_step.py [--steps 10] [--width 256] [--device cpu|cuda]
 
 The model is ``--layers`` sequence-parallel MLP blocks (LayerNorm with ``SequenceParallel``,
 ``ColwiseParallel`` then ``RowwiseParallel``), laid out by upstream ``parallelize_module`` over
@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,10 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from launch import add_device_argument, init_distributed, synchronize
 
 import vescale  # noqa: F401  (the process imported vescale; registers the backend)
 
@@ -62,7 +68,7 @@ PLAN = {
 def build(mesh: DeviceMesh, width: int, layers: int) -> nn.Module:
     """Blocks with the same initial weights on every rank and in every mode."""
     torch.manual_seed(0)
-    model = nn.Sequential(*[Block(width) for _ in range(layers)])
+    model = nn.Sequential(*[Block(width) for _ in range(layers)]).to(mesh.device_type)
     for block in model:
         parallelize_module(block, mesh["tp"], PLAN)
         fully_shard(block, mesh=mesh["dp"])
@@ -97,6 +103,7 @@ def run(
         opt.step()
         opt.zero_grad()
         dist.barrier()
+        synchronize(mesh.device_type)
         times.append(time.perf_counter() - start)
         losses.append(float((loss.full_tensor() if isinstance(loss, DTensor) else loss).item()))
     return losses, times, counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
@@ -109,13 +116,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--backends", nargs="+", default=["vescale", "inductor"])
+    add_device_argument(ap)
     args = ap.parse_args()
-    dist.init_process_group("gloo")
+    device = init_distributed(args.device)
     torch.set_num_threads(1)
     ws = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device, (2, ws // 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(1)
-    x = torch.randn(8, args.seq, args.width)
+    x = torch.randn(8, args.seq, args.width).to(device)
     x = x.chunk(2, dim=0)[mesh["dp"].get_local_rank()]
     x = x.chunk(ws // 2, dim=1)[mesh["tp"].get_local_rank()]
     results: dict[str, tuple[list[float], list[float], int, int] | str] = {}

@@ -1,7 +1,7 @@
 """When does taking tensor meta from the local result (instead of upstream's sharding
 propagation) pay off?
 
-    python benchmarks/meta_shortcut.py
+    python benchmarks/meta_shortcut.py [--device cpu|cuda]
 
 ``tanh`` on Replicate DTensors, fake process group, 2-rank mesh, one thread. "first call"
 is a new shape (a sharding-cache miss: full propagation with fake tensors); "repeated" is
@@ -11,13 +11,20 @@ the median of 200 calls on that shape (upstream's C++ cache hit). The shortcut i
 
 from __future__ import annotations
 
+import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from launch import add_device_argument, select_device
 
 import vescale
 from vescale import Replicate
@@ -33,16 +40,19 @@ def _us(fn: Callable[[], object]) -> float:
 def _measure(mesh: vescale.DeviceMesh, rows: range) -> tuple[float, float]:
     first, repeated = [], []
     for n in rows:
-        x = vescale.distribute_tensor(torch.randn(n, 64), mesh, [Replicate()])
+        x = vescale.distribute_tensor(torch.randn(n, 64), mesh, [Replicate()])  # to mesh's device
         first.append(_us(lambda x=x: torch.tanh(x)))
         repeated.append(statistics.median(_us(lambda x=x: torch.tanh(x)) for _ in range(200)))
     return statistics.median(first), statistics.median(repeated)
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_device_argument(parser)
+    device = select_device(parser.parse_args().device)
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    mesh = vescale.init_device_mesh("cpu", (2,))
+    mesh = vescale.init_device_mesh(device, (2,))
     up_first, up_rep = _measure(mesh, range(16, 48))
     dispatch.bypass_sharding_prop(torch.ops.aten.tanh.default)(lambda schema: (Replicate(),))
     sc_first, sc_rep = _measure(mesh, range(48, 80))

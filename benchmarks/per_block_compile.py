@@ -2,7 +2,7 @@
 vescale backend vs upstream Inductor vs eager.
 
     torchrun --standalone --nproc-per-node 4 benchmarks/per_block_compile.py \
-        [--steps 10] [--dtensor vescale|upstream] [--sp]
+        [--steps 10] [--dtensor vescale|upstream] [--sp] [--device cpu|cuda]
 
 The model is ``examples/gpt.py`` on a (dp=world/2, tp=2) mesh: Megatron tensor parallelism
 over tp (its plan, on the ``tp`` sub-mesh), then upstream ``fully_shard`` over dp on every
@@ -53,6 +53,7 @@ from torch.distributed.tensor import distribute_tensor as upstream_distribute_te
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import gpt
+from launch import BACKENDS, add_device_argument, init_distributed, synchronize
 
 import vescale
 from vescale import Replicate, Shard
@@ -99,7 +100,7 @@ def _redistribute_hooks(model: nn.Module, sp: bool) -> None:
 def _model(mesh: Any, upstream: bool, sp: bool, backend: str | None, options: dict | None) -> Any:
     distribute = upstream_distribute_tensor if upstream else vescale.distribute_tensor
     torch.manual_seed(0)
-    model = SequenceParallelGPT(CFG) if sp else gpt.build(CFG)
+    model = (SequenceParallelGPT(CFG) if sp else gpt.build(CFG)).to(mesh.device_type)
     for name, param in list(model.named_parameters()):
         owner, leaf = name.rsplit(".", 1)
         local = distribute(param.detach(), mesh["tp"], _tp_placements(name, sp))
@@ -116,7 +117,7 @@ def _model(mesh: Any, upstream: bool, sp: bool, backend: str | None, options: di
 def _inputs(mesh: Any, upstream: bool, step: int) -> tuple[Any, ...]:
     """This dp rank's slice of the batch of ``step``, replicated over tp."""
     from_local = UpstreamDTensor.from_local if upstream else vescale.from_local
-    ids, targets = gpt.batch(CFG, step)
+    ids, targets = gpt.batch(CFG, step, device=mesh.device_type)
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     rows = slice(dp_rank * ids.shape[0] // dp, (dp_rank + 1) * ids.shape[0] // dp)
     return tuple(
@@ -150,6 +151,7 @@ def _run(mesh: Any, args: argparse.Namespace, backend: str | None, options: dict
             opt.zero_grad()
             loss.backward()
             opt.step()
+            synchronize(mesh.device_type)
             times.append(time.perf_counter() - t0)
             losses.append(loss.full_tensor().item())
     return Row(
@@ -168,11 +170,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dtensor", choices=("vescale", "upstream"), default="vescale")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (docstring)")
+    add_device_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    device = init_distributed(args.device, timeout=timedelta(seconds=300))
     init = upstream_init_device_mesh if args.dtensor == "upstream" else vescale.init_device_mesh
-    mesh = init("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init(device, (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
     torch.compile(lambda a: a.sin() * 2)(torch.randn(8))  # Inductor start-up, charged to no one
     modes: dict[str, tuple[str | None, dict | None]] = {
         "eager": (None, None),
@@ -191,7 +194,8 @@ def main() -> None:
 def _print(rows: dict[str, Row], mesh: Any, args: argparse.Namespace) -> None:
     """Times as ratios (the machine is shared): step time vs eager and vs upstream Inductor,
     the first (compiling) step vs upstream Inductor's."""
-    print(f"GPT {CFG}, (dp={mesh.size(0)}, tp={mesh.size(1)}) gloo CPU ranks")
+    ranks = f"{BACKENDS[mesh.device_type]} {mesh.device_type.upper()} ranks"
+    print(f"GPT {CFG}, (dp={mesh.size(0)}, tp={mesh.size(1)}) {ranks}")
     print(
         f"{args.dtensor} DTensor TP{' + SP' if args.sp else ''} over tp, FSDP2 fully_shard over "
         f"dp per block + root, each block compiled, median of {args.steps} steps"

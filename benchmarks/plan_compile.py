@@ -1,9 +1,9 @@
 """Compile time of the plan path vs the DTensor path on the same GPT, and the plan path's
 greedy vs global bytes per step.
 
-    torchrun --standalone --nproc-per-node 4 benchmarks/plan_compile.py
+    torchrun --standalone --nproc-per-node 4 benchmarks/plan_compile.py [--device cpu|cuda]
 
-Both on a (dp=2, tp=2) gloo mesh, same model (``examples/gpt.py``, ``GPTConfig(vocab=1024)``)
+Both on a (dp=2, tp=2) mesh, same model (``examples/gpt.py``, ``GPTConfig(vocab=1024)``)
 and batch; rank 0 prints seconds for each stage (first call = compile + one run, forward and
 backward). Plan path: ``vescale.parallelize`` (capture, propagate, solve with fixed costs so the
 choice does not depend on the machine's load; calibration timed apart) then the first step of
@@ -13,6 +13,7 @@ of ``torch.compile(backend="vescale")``.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import gpt
+from launch import add_device_argument, init_distributed, synchronize
 from plan_gpt import BATCH, PLAN  # the example's plan: one copy
 
 import vescale
@@ -35,15 +37,18 @@ FIXED = AlphaBeta((20e-6, 20e-6), (1e-9, 1e-9), 1e-10)  # as tests/plan/gpt_case
 def _step(model: torch.nn.Module, *inputs: torch.Tensor) -> float:
     start = time.perf_counter()
     model(*inputs).backward()
+    synchronize(inputs[0].device.type)
     return time.perf_counter() - start
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_device_argument(parser)
+    device = init_distributed(parser.parse_args().device)
     rank = dist.get_rank()
-    mesh = vescale.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = vescale.init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "tp"))
     cfg = gpt.GPTConfig(vocab=1024)
-    ids, tgt = gpt.batch(cfg, 0)
+    ids, tgt = gpt.batch(cfg, 0, device=device)
     out: dict[str, float] = {}
 
     start = time.perf_counter()
@@ -54,7 +59,7 @@ def main() -> None:
         torch._dynamo.reset()
         start = time.perf_counter()
         model = vescale.parallelize(
-            gpt.build(cfg),
+            gpt.build(cfg, device=device),
             mesh,
             PLAN,
             inputs=[BATCH, BATCH],
@@ -69,7 +74,7 @@ def main() -> None:
 
     torch._dynamo.reset()
     start = time.perf_counter()
-    hand = DistributedDataParallel(gpt.parallelize(gpt.build(cfg), mesh))  # backend's buckets
+    hand = DistributedDataParallel(gpt.parallelize(gpt.build(cfg, device=device), mesh))
     compiled = torch.compile(hand, backend="vescale")
     out["dtensor: parallelize"] = time.perf_counter() - start
     inputs = gpt.shard_batch(mesh, ids, tgt)

@@ -2,10 +2,10 @@
 step time of one GPT under several programs forced by plans.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 benchmarks/planner_accuracy.py \\
-        [--model tiny|medium] [--steps 7] [--only NAME ...]
+        [--model tiny|medium] [--steps 7] [--only NAME ...] [--device cpu|cuda]
 
 The GPT of ``examples/gpt.py`` (tiny: vocab 128, seq 32, dim 64, heads 4, 4 layers; medium:
-vocab 1024, seq 128, dim 256, heads 8, 4 layers), global batch 8, on a (dp=2, tp=2) gloo mesh;
+vocab 1024, seq 128, dim 256, heads 8, 4 layers), global batch 8, on a (dp=2, tp=2) mesh;
 a step is forward, backward and an SGD step. Each program is ``vescale.parallelize`` of the
 plain model with one plan (:data:`PROGRAMS`) and the costs of ``vescale.plan.calibrate``
 (cached per machine and mesh), compiled by the vescale backend (``codegen="fx"``: the graphs
@@ -46,6 +46,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import gpt
+from launch import add_device_argument, init_distributed, synchronize
 
 import vescale
 from vescale import Replicate, Shard
@@ -136,17 +137,17 @@ def _timeline_us(graphs: list[Any]) -> tuple[float, int]:
 
 def _build(cfg: gpt.GPTConfig, mesh: Any, program: Program, cost: CostModel) -> Row:
     model = vescale.parallelize(
-        gpt.build(cfg),
+        gpt.build(cfg, device=mesh.device_type),
         mesh,
         program.plan,
         inputs=[program.batch, program.batch],
-        example_inputs=gpt.batch(cfg, 0),
+        example_inputs=gpt.batch(cfg, 0, device=mesh.device_type),
         solver=program.solver,
         alpha_beta=cost,
         options={"codegen": "fx"},
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    batches = [gpt.batch(cfg, i) for i in range(4)]
+    batches = [gpt.batch(cfg, i, device=mesh.device_type) for i in range(4)]
 
     def step(i: int) -> Any:
         loss = model(*batches[i % len(batches)])
@@ -192,10 +193,11 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--only", nargs="*", default=None, help="program names to run")
+    add_device_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=900))
-    mesh = vescale.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    device = init_distributed(args.device, timeout=timedelta(seconds=900))
+    mesh = vescale.init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "tp"))
     rank0 = dist.get_rank() == 0
     cfg = MODELS[args.model]
     start = time.perf_counter()
@@ -232,6 +234,7 @@ def main() -> None:
             dist.barrier()
             t0 = time.perf_counter()
             row.step(3 + i)
+            synchronize(device)
             row.times.append(time.perf_counter() - t0)
     if rank0:
         _report(rows)

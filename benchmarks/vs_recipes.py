@@ -1,7 +1,7 @@
 """The plan path with an empty plan and a free batch against hand-written upstream recipes.
 
     torchrun --standalone --nproc-per-node 4 benchmarks/vs_recipes.py \\
-        [--cfg tiny|medium|hf-llama|hf-llama-tiny] [--steps 10] [--phases]
+        [--cfg tiny|medium|hf-llama|hf-llama-tiny] [--steps 10] [--phases] [--device cpu|cuda]
 
 The plain GPT of ``examples/gpt.py`` (``tiny``, ``medium``), or transformers'
 ``LlamaForCausalLM`` (``hf-llama``: vocab 256, hidden 64, 2 layers, sequence 32, the loss
@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import compiled_step
 import gpt
+from launch import BACKENDS, add_device_argument, init_distributed
 
 import vescale
 from vescale.plan import Batch, calibrate
@@ -81,8 +82,8 @@ class Model:
 def _gpt(cfg: gpt.GPTConfig) -> Model:
     return Model(
         f"GPT {cfg}",
-        lambda: gpt.build(cfg),
-        lambda i: gpt.batch(cfg, i),
+        lambda: gpt.build(cfg, device=compiled_step.DEVICE),
+        lambda i: gpt.batch(cfg, i, device=compiled_step.DEVICE),
         lambda m: m.blocks,
         titan=cfg,
     )
@@ -116,10 +117,11 @@ def _hf_llama(hidden: int, layers: int) -> Model:
 
     def build() -> torch.nn.Module:
         torch.manual_seed(0)
-        return _LabelsOnly(transformers.LlamaForCausalLM(cfg))
+        return _LabelsOnly(transformers.LlamaForCausalLM(cfg)).to(compiled_step.DEVICE)
 
     def batch(i: int) -> tuple[torch.Tensor, ...]:
         ids = torch.randint(0, 256, (BATCH, 32), generator=torch.Generator().manual_seed(i))
+        ids = ids.to(compiled_step.DEVICE)
         return ids, ids
 
     return Model(
@@ -166,7 +168,7 @@ def _own_forward(block: torch.nn.Module) -> None:
 
 
 def _fsdp(spec: Model) -> Step:
-    mesh = upstream_init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = upstream_init_device_mesh(compiled_step.DEVICE, (dist.get_world_size(),))
     model = spec.build()
     for block in spec.blocks(model):
         _own_forward(block)
@@ -233,12 +235,13 @@ def main() -> None:
         action="store_true",
         help="then time forward, backward and the optimizer step apart (DDP-4, empty plan)",
     )
+    add_device_argument(parser)
     args = parser.parse_args()
     spec = CONFIGS[args.cfg]()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=900))
+    compiled_step.DEVICE = init_distributed(args.device, timeout=timedelta(seconds=900))
     mesh = vescale.init_device_mesh(
-        "cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp")
+        compiled_step.DEVICE, (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp")
     )
     ref = spec.build()(*spec.batch(0)).item()  # one device, first step's loss
     modes: dict[str, compiled_step._Mode] = {
@@ -300,7 +303,8 @@ def _print(
     spec: Model, modes: dict[str, compiled_step._Mode], ref: float, need: int, budget: int
 ) -> None:
     med = {n: statistics.median(m.times) for n, m in modes.items()}
-    print(f"{spec.name}, batch {BATCH}, 4 gloo CPU ranks, SGD step; one-device loss {ref:.6f}")
+    ranks = f"{dist.get_world_size()} {BACKENDS[compiled_step.DEVICE]} {compiled_step.DEVICE.upper()} ranks"
+    print(f"{spec.name}, batch {BATCH}, {ranks}, SGD step; one-device loss {ref:.6f}")
     print("| mode | step ms | colls/step | KiB/step | build + first step s | loss 0 |")
     print("|---|---|---|---|---|---|")
     for n, m in modes.items():

@@ -103,10 +103,11 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
 
 
-def build(cfg: GPTConfig, seed: int = 0) -> GPT:
-    """The model with weights drawn from ``seed`` (identical on every rank)."""
+def build(cfg: GPTConfig, seed: int = 0, device: torch.device | str = "cpu") -> GPT:
+    """The model with weights drawn from ``seed`` (identical on every rank, whatever
+    ``device`` it is moved to)."""
     torch.manual_seed(seed)
-    return GPT(cfg)
+    return GPT(cfg).to(device)
 
 
 def build_deferred(cfg: GPTConfig, seed: int = 0) -> GPT:
@@ -116,10 +117,13 @@ def build_deferred(cfg: GPTConfig, seed: int = 0) -> GPT:
     return vescale.deferred_init(GPT, cfg)
 
 
-def batch(cfg: GPTConfig, step: int, batch_size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and next-token targets of training step ``step`` (same on every rank)."""
+def batch(
+    cfg: GPTConfig, step: int, batch_size: int = 8, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and next-token targets of training step ``step`` (same on every rank, drawn
+    on the CPU and moved to ``device``)."""
     g = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(0, cfg.vocab, (batch_size, cfg.seq + 1), generator=g)
+    ids = torch.randint(0, cfg.vocab, (batch_size, cfg.seq + 1), generator=g).to(device)
     return ids[:, :-1], ids[:, 1:]
 
 

@@ -1,6 +1,6 @@
 """Tensor-parallel attention with one fused QKV linear, eager and ``backend="vescale"``.
 
-    torchrun --standalone --nproc-per-node 2 examples/merged_qkv_attention.py
+    torchrun --standalone --nproc-per-node 2 examples/merged_qkv_attention.py [--device cpu|cuda]
 
 The layer is plain PyTorch: ``qkv = Linear(dim, 3 * dim)``, split into q, k, v, causal
 ``scaled_dot_product_attention`` over heads, output projection. Its merged weight ``[3 * dim,
@@ -15,6 +15,7 @@ eager and compiled, and checks output and gradients against one device
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -22,6 +23,7 @@ import gpt
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from launch import add_device_argument, init_distributed
 from torch import nn
 
 import vescale
@@ -154,10 +156,12 @@ def inputs(dim: int = 16, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def main() -> None:
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    mesh = vescale.init_device_mesh("cpu", (dist.get_world_size(),))
-    x, weights = inputs()
-    ref_out, ref_dx, ref_grads = reference(build(), x, weights)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_device_argument(parser)
+    device = init_distributed(parser.parse_args().device, timeout=timedelta(seconds=60))
+    mesh = vescale.init_device_mesh(device, (dist.get_world_size(),))
+    x, weights = (t.to(device) for t in inputs())
+    ref_out, ref_dx, ref_grads = reference(build().to(device), x, weights)
     compiled = torch.compile(forward, backend="vescale", options={"codegen": "fx"})
     bad = 0
     for name, make, plan in (

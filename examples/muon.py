@@ -1,6 +1,6 @@
 """Muon on a flat-buffer FSDP model: each 2-D weight's update orthogonalized whole on one rank.
 
-    torchrun --standalone --nproc-per-node 4 examples/muon.py [--steps N]
+    torchrun --standalone --nproc-per-node 4 examples/muon.py [--steps N] [--device cpu|cuda]
 
 Muon (Keller Jordan et al.) replaces a weight matrix's momentum update by its nearest
 semi-orthogonal matrix (a Newton-Schulz iteration): it needs the *whole* matrix. Under
@@ -34,6 +34,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpt
+from launch import add_device_argument, init_distributed
 
 import vescale
 from vescale import RaggedShard
@@ -183,15 +184,16 @@ def train(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
+    add_device_argument(parser)
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    device = init_distributed(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = gpt.GPTConfig()
-    mesh = vescale.init_device_mesh("cpu", (world,))
-    model = shard(gpt.build(cfg), mesh)
+    mesh = vescale.init_device_mesh(device, (world,))
+    model = shard(gpt.build(cfg, device=device), mesh)
     batches = []
     for step in range(args.steps):
-        ids, targets = gpt.batch(cfg, step, batch_size=2 * world)
+        ids, targets = gpt.batch(cfg, step, batch_size=2 * world, device=device)
         batches.append((ids[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2]))
     losses = train(model, optimizers(model), batches)
     if rank == 0:

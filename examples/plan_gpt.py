@@ -1,16 +1,18 @@
 """The plan path on the demo GPT: single-device code, a plan naming a few weights, the
 compiler places the rest and explains its choice.
 
-    torchrun --nproc-per-node 4 examples/plan_gpt.py      (gloo, a (dp=2, tp=2) mesh)
+    torchrun --nproc-per-node 4 examples/plan_gpt.py [--device cpu|cuda]    (a (dp=2, tp=2) mesh)
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import gpt
 import torch
 import torch.distributed as dist
+from launch import add_device_argument, init_distributed
 
 import vescale
 from vescale import Replicate, Shard
@@ -27,16 +29,18 @@ BATCH = {"dp": Shard(0)}  # token ids and targets
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
-    mesh = vescale.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_device_argument(parser)
+    device = init_distributed(parser.parse_args().device)
+    mesh = vescale.init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "tp"))
     cfg = gpt.GPTConfig(vocab=1024)
-    example = gpt.batch(cfg, 0)
+    example = gpt.batch(cfg, 0, device=device)
     model = vescale.parallelize(
-        gpt.build(cfg), mesh, PLAN, inputs=[BATCH, BATCH], example_inputs=example
+        gpt.build(cfg, device=device), mesh, PLAN, inputs=[BATCH, BATCH], example_inputs=example
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(3):
-        loss = model(*gpt.batch(cfg, step))
+        loss = model(*gpt.batch(cfg, step, device=device))
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -1,7 +1,12 @@
-"""Train a small GPT on a 2-D (data parallel x tensor parallel) CPU mesh with
+"""Train a small GPT on a 2-D (data parallel x tensor parallel) mesh with
 ``torch.compile(backend="vescale")``, beside eager vescale and the same model on one device.
 
-    torchrun --standalone --nproc-per-node 4 examples/train_demo.py [--steps N] [--dump-dir DIR]
+    torchrun --standalone --nproc-per-node N examples/train_demo.py [--steps S] [--dump-dir DIR]
+        [--device cpu|cuda] [--mesh DP,TP]
+
+On N GPUs (one per local rank) it runs on CUDA + NCCL, else on CPU + gloo (``--device``
+chooses: ``examples/launch.py``). The mesh is (N/2, 2) for an even N, (N, 1) for an odd one,
+or ``--mesh``.
 
 The model (``examples/gpt.py``) is plain PyTorch, built with ``vescale.deferred_init`` (no
 weight allocated) for the distributed runs; ``gpt.parallelize`` materializes each rank's
@@ -29,6 +34,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpt
+from launch import BACKENDS, add_device_argument, init_distributed
 
 import vescale
 from vescale.ddp import DistributedDataParallel
@@ -40,6 +46,21 @@ class Run(NamedTuple):
     losses: list[float]
     first_step_s: float
     params: dict[str, torch.Tensor]
+
+
+def mesh_shape(world: int, given: str | None = None) -> tuple[int, int]:
+    """``(dp, tp)`` for ``world`` ranks: ``given`` as ``"DP,TP"`` (their product must be
+    ``world``), else ``(world / 2, 2)`` for an even ``world`` and ``(world, 1)`` for an odd one."""
+    if given is None:
+        tp = 2 if world % 2 == 0 else 1
+        return world // tp, tp
+    parts = given.split(",")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise SystemExit(f"--mesh {given!r}: expected DP,TP (two positive integers)")
+    dp, tp = int(parts[0]), int(parts[1])
+    if dp * tp != world:
+        raise SystemExit(f"--mesh {given!r}: {dp} x {tp} ranks, but the world has {world}")
+    return dp, tp
 
 
 def train(model: torch.nn.Module, cfg: gpt.GPTConfig, steps: int, lr: float, to_inputs) -> Run:
@@ -72,12 +93,17 @@ def gpt_runs(
     lr: float = 0.5,
     options: dict | None = None,
     cfg: gpt.GPTConfig | None = None,
+    device: str = "cpu",
+    shape: tuple[int, int] | None = None,
+    compile_kwargs: dict | None = None,
 ) -> dict[str, Run]:
-    """{"vescale": ..., "eager": ..., "1-device": ...}: the GPT trained on a (world/2, 2) mesh
-    compiled with ``options``, eagerly, and on one device."""
+    """{"vescale": ..., "eager": ..., "1-device": ...}: the GPT trained on a (dp, tp) mesh of
+    ``device`` (``shape``, default :func:`mesh_shape`) compiled with ``options`` (and
+    ``compile_kwargs`` for ``torch.compile``, e.g. ``mode``), eagerly, and on one device (this
+    rank's)."""
     cfg = cfg or gpt.GPTConfig()
-    world = dist.get_world_size()
-    mesh = vescale.init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    shape = shape or mesh_shape(dist.get_world_size())
+    mesh = vescale.init_device_mesh(device, shape, mesh_dim_names=("dp", "tp"))
 
     def distributed() -> torch.nn.Module:
         return DistributedDataParallel(gpt.parallelize(gpt.build_deferred(cfg), mesh))
@@ -86,11 +112,15 @@ def gpt_runs(
         return gpt.shard_batch(mesh, ids, targets)
 
     torch._dynamo.reset()
-    compiled = torch.compile(distributed(), backend="vescale", options=options)
+    compiled = torch.compile(
+        distributed(), backend="vescale", options=options, **(compile_kwargs or {})
+    )
     return {
         "vescale": train(compiled, cfg, steps, lr, sharded),
         "eager": train(distributed(), cfg, steps, lr, sharded),
-        "1-device": train(gpt.build(cfg), cfg, steps, lr, lambda i, t: (i, t)),
+        "1-device": train(
+            gpt.build(cfg, device=device), cfg, steps, lr, lambda i, t: (i.to(device), t.to(device))
+        ),
     }
 
 
@@ -117,19 +147,20 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--codegen", default="inductor", choices=["inductor", "fx"])
     parser.add_argument("--dump-dir", default="vescale_dumps")
+    parser.add_argument("--mesh", default=None, help="DP,TP (default: from the world size)")
+    add_device_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    if dist.get_world_size() % 2:
-        raise SystemExit("train_demo: needs an even number of ranks (a (world/2, 2) mesh)")
+    device = init_distributed(args.device, timeout=timedelta(seconds=120))
+    shape = mesh_shape(dist.get_world_size(), args.mesh)
     rank = dist.get_rank()
     options = {"codegen": args.codegen, "dump_dir": args.dump_dir}
-    runs = gpt_runs(args.steps, args.lr, options)
+    runs = gpt_runs(args.steps, args.lr, options, device=device, shape=shape)
     ref = runs["1-device"].losses
     worst = max(abs(a - b) for name in ("vescale", "eager") for a, b in zip(runs[name].losses, ref))
     if rank == 0:
-        dp = dist.get_world_size() // 2
-        print(f"GPT {gpt.GPTConfig()} on a (dp={dp}, tp=2) mesh of CPU ranks (gloo)")
+        mesh = f"(dp={shape[0]}, tp={shape[1]}) mesh of {device.upper()} ranks ({BACKENDS[device]})"
+        print(f"GPT {gpt.GPTConfig()} on a {mesh}")
         print(f"{'step':>4}  {'vescale':>10}  {'eager':>10}  {'1-device':>10}  {'max |diff|':>10}")
         for i, (c, e, r) in enumerate(zip(runs["vescale"].losses, runs["eager"].losses, ref)):
             print(

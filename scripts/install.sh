@@ -1,16 +1,30 @@
 #!/usr/bin/env bash
-# Install vescale (editable) on the CPU build of torch 2.13.0: `bash scripts/install.sh` for the
-# runtime (what the demo needs), `bash scripts/install.sh test` for the test tools too.
-# The torch pin names the CPU build (2.13.0+cpu), so pip never falls back to PyPI's default
-# CUDA wheel: it comes from pip's configured index or find-links, or from the index in
-# VESCALE_TORCH_INDEX (e.g. https://download.pytorch.org/whl/cpu) when that is set.
+# Install vescale (editable) on torch 2.13 from pip's configured index (PyPI by default):
+#   bash scripts/install.sh [test] [dev] [--dry-run]
+# no extra: the runtime (what the demo needs); test: the test tools; dev: ruff and mypy.
+# An installed torch 2.13.x (CUDA or CPU build) is kept; otherwise torch==2.13.0 is installed
+# (PyPI's default build for the platform). VESCALE_TORCH_INDEX adds an index for torch, e.g.
+# https://download.pytorch.org/whl/cpu for the CPU build. --dry-run prints the pip command
+# instead of running it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in
-  "") target=. ;;
-  test) target='.[test]' ;;
-  *) echo "scripts/install.sh: unknown extra '$1' (use no argument, or 'test')" >&2; exit 2 ;;
+extras=() dry_run=0
+for arg in "$@"; do
+  case "$arg" in
+    test | dev) extras+=("$arg") ;;
+    --dry-run) dry_run=1 ;;
+    *) echo "scripts/install.sh: unknown argument '$arg' (use test, dev, --dry-run)" >&2; exit 2 ;;
+  esac
+done
+target=.
+if [ ${#extras[@]} -gt 0 ]; then target=".[$(IFS=,; echo "${extras[*]}")]"; fi
+installed=$(python -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null || true)
+torch=()
+case "$installed" in
+  2.13.*) ;;
+  *) torch=(torch==2.13.0) ;;
 esac
 index=()
 if [ -n "${VESCALE_TORCH_INDEX:-}" ]; then index=(--extra-index-url "$VESCALE_TORCH_INDEX"); fi
-python -m pip install -q "${index[@]}" 'torch==2.13.0+cpu' -e "$target"
+cmd=(python -m pip install -q "${index[@]}" "${torch[@]}" -e "$target")
+if [ "$dry_run" = 1 ]; then echo "${cmd[*]}"; else "${cmd[@]}"; fi

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Test suite: install vescale with its test extras (CPU torch 2.13.0) and run pytest in two
+# Test suite: install vescale with its test extras (torch 2.13) and run pytest in two
 # pytest-xdist workers: one owns the worker pools (every test using pool2/pool4, grouped by
 # tests/conftest.py), the other runs the single-process and subprocess tests alongside.
 set -euo pipefail

@@ -37,6 +37,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "full: exhaustive sweep, run with --full only")
     config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs in one worker")
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_XdistController(), "vescale-xdist-controller")
 
 
 def full_run(config: pytest.Config) -> bool:
@@ -66,20 +68,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.workeroutput["full_deselected"] = len(full)
 
 
-_deselected_by_workers: list[int] = []
+class _XdistController:
+    """Hooks of pytest-xdist's controller, registered only when xdist is loaded (plain pytest,
+    or ``-p no:xdist``, rejects an unknown hook): under xdist the summary line has no
+    "deselected" (each worker deselects), so the controller collects the workers' counts and
+    says it."""
 
+    def __init__(self) -> None:
+        self.deselected: list[int] = []
 
-def pytest_testnodedown(node: Any, error: Any) -> None:
-    """xdist controller: collect each worker's count of tests deselected as ``full``."""
-    _deselected_by_workers.append(getattr(node, "workeroutput", {}).get("full_deselected", 0))
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        self.deselected.append(getattr(node, "workeroutput", {}).get("full_deselected", 0))
 
-
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """Under xdist the summary line has no "deselected" (each worker deselects): say it."""
-    if _deselected_by_workers and max(_deselected_by_workers):
-        terminalreporter.write_line(
-            f"{max(_deselected_by_workers)} deselected (@pytest.mark.full; run with --full)"
-        )
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if self.deselected and max(self.deselected):
+            terminalreporter.write_line(
+                f"{max(self.deselected)} deselected (@pytest.mark.full; run with --full)"
+            )
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -39,8 +42,9 @@ def test_demo_runs_and_matches_single_device():
 
 
 def test_demo_script_installs_the_runtime_only(tmp_path: Path) -> None:
-    """``scripts/demo.sh`` installs vescale without the test extras and names torch's CPU
-    build; run with a ``python`` on PATH that records its arguments instead of running."""
+    """``scripts/demo.sh`` installs vescale without the test extras (and torch 2.13.0 from pip's
+    index when none is installed); run with a ``python`` on PATH that records its arguments
+    instead of running (so it reports no installed torch)."""
     log = tmp_path / "calls"
     shim = tmp_path / "python"
     shim.write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
@@ -49,11 +53,59 @@ def test_demo_script_installs_the_runtime_only(tmp_path: Path) -> None:
     env.pop("VESCALE_TORCH_INDEX", None)
     out = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh")], env=env, timeout=60)
     assert out.returncode == 0
-    install, demo = log.read_text().splitlines()
-    assert install.split() == ["-m", "pip", "install", "-q", "torch==2.13.0+cpu", "-e", "."]
+    version_query, install, demo = log.read_text().splitlines()
+    assert version_query.startswith("-c ")
+    assert install.split() == ["-m", "pip", "install", "-q", "torch==2.13.0", "-e", "."]
     assert demo.split()[:2] == ["-m", "torch.distributed.run"]
     assert demo.endswith("examples/train_demo.py")
     env["VESCALE_TORCH_INDEX"] = "https://download.pytorch.org/whl/cpu"
     log.unlink()
     subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh")], env=env, timeout=60, check=True)
     assert "--extra-index-url https://download.pytorch.org/whl/cpu" in log.read_text()
+
+
+def test_device_default_is_cuda_only_with_a_gpu_per_local_rank(monkeypatch):
+    import launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert launch.default_device() == "cuda"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # more local ranks than GPUs
+    assert launch.default_device() == "cpu"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "four")
+    with pytest.raises(SystemExit, match="LOCAL_WORLD_SIZE='four'"):
+        launch.default_device()
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert launch.default_device() == "cpu"
+    assert launch.BACKENDS == {"cpu": "gloo", "cuda": "nccl"}
+
+
+def test_device_argument_is_strict():
+    import argparse
+
+    import launch
+
+    parser = argparse.ArgumentParser()
+    launch.add_device_argument(parser)
+    assert parser.parse_args([]).device is None
+    assert parser.parse_args(["--device", "cuda"]).device == "cuda"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--device", "gpu"])
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="'cuda' is not available"):
+            launch.select_device("cuda")
+
+
+def test_demo_mesh_shape_from_the_world_or_given():
+    import train_demo
+
+    assert train_demo.mesh_shape(4) == (2, 2)
+    assert train_demo.mesh_shape(8) == (4, 2)
+    assert train_demo.mesh_shape(1) == (1, 1)
+    assert train_demo.mesh_shape(3) == (3, 1)
+    assert train_demo.mesh_shape(4, "4,1") == (4, 1)
+    for bad, why in [("2,3", "2 x 3 ranks"), ("2x2", "expected DP,TP"), ("0,4", "expected")]:
+        with pytest.raises(SystemExit, match=why):
+            train_demo.mesh_shape(4, bad)

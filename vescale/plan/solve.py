@@ -321,13 +321,9 @@ class _Program:
 
 
 def solve_global(problem: Problem, time_limit_s: float = TIME_LIMIT_S) -> Solution:
-    """The strategy of every node minimizing the total estimated cost (needs scipy)."""
-    try:
-        import scipy.optimize
-    except ImportError as err:
-        raise ImportError(
-            "vescale.parallelize(solver='global') needs scipy: pip install scipy"
-        ) from err
+    """The strategy of every node minimizing the total estimated cost."""
+    import scipy.optimize
+
     deadline = time.monotonic() + time_limit_s
     greedy = solve_greedy(problem)
     # greedy's cost bounds the optimum only when it fits the budget
