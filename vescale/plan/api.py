@@ -22,6 +22,7 @@ from vescale._torch_compat import (
     FakeTensorMode,
     TracingContext,
     compute_local_shape_and_global_offset,
+    current_graph_task_keep_graph,
     tracing,
 )
 from vescale.dtensor import DTensor
@@ -43,12 +44,16 @@ from vescale.plan.validate import PlanError, normalize_placements, normalize_pla
 __all__ = ["PlanError", "PlannedModule", "parallelize"]
 
 PlanValue = Sequence[Placement] | Mapping[str, Placement]
+aten = torch.ops.aten
 
 
 class _AttachGrads(torch.autograd.Function):
     """The loss, whose backward hands the joint graph's gradients (this rank's shards) to the
     parameters as DTensors laid out as the parameters (``specs``; a plain parameter's, ``None``,
-    gets its plain gradient), scaled by the loss's gradient (1 for ``loss.backward()``)."""
+    gets its plain gradient), scaled by the loss's gradient on its device: no host sync on any
+    device, and ``loss.backward()``'s implicit 1 leaves every gradient bit for bit as the step
+    computed it. Scaled in place (one fused multiply, no copy) unless the graph is retained,
+    whose next backward hands the same gradients again."""
 
     @staticmethod
     def forward(
@@ -62,11 +67,14 @@ class _AttachGrads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grads = ctx.saved_tensors
+        grads = list(ctx.saved_tensors)
         n = len(grads)
-        g = grad.full_tensor() if isinstance(grad, _UpstreamDTensor) else grad
-        ones = g.device.type == "cpu" and g.numel() == 1 and g.item() == 1  # loss.backward()
-        scaled = grads if ones else [t * g for t in grads]
+        g = (grad.full_tensor() if isinstance(grad, _UpstreamDTensor) else grad).reshape(())
+        if current_graph_task_keep_graph():
+            scaled = list(aten._foreach_mul.Tensor(grads, g))
+        else:
+            aten._foreach_mul_.Tensor(grads, g)  # x * 1 == x exactly: the implicit 1 keeps them
+            scaled = grads
         wrapped = (
             t if s is None else new_dtensor(t, s, requires_grad=False)
             for t, s in zip(scaled, ctx.specs)
