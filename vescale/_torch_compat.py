@@ -23,9 +23,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed._functional_collectives import _are_we_tracing as are_we_tracing
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.device_mesh import _mesh_resources
-from torch.distributed.distributed_c10d import _get_default_store as default_store
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
-from torch.distributed.distributed_c10d import _set_pg_timeout as set_pg_timeout
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 from torch.distributed.tensor import _dispatch as upstream_dispatch_module
 from torch.distributed.tensor._collective_utils import mesh_scatter, redistribute_cost
@@ -64,6 +62,7 @@ from torch.distributed.tensor.parallel import loss as upstream_loss_module
 from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+from torch.optim.optimizer import _global_optimizer_pre_hooks as global_optimizer_pre_hooks
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
@@ -103,15 +102,14 @@ __all__ = [
     "compute_local_shape_and_global_offset",
     "compute_local_shape_at",
     "current_graph_task_keep_graph",
-    "default_store",
     "disable_current_modes",
     "expand_to_full_mesh_op_strategy",
     "export_tracing_state",
     "from_functional_tensor",
     "gen_transform_infos",
-    "group_sequence_number",
     "get_proxy_mode",
     "get_proxy_slot",
+    "global_optimizer_pre_hooks",
     "inductor_cache_key",
     "inductor_pieces",
     "load_inductor_graph",
@@ -125,7 +123,6 @@ __all__ = [
     "register_opaque_type",
     "resolve_process_group",
     "return_and_correct_aliasing",
-    "set_pg_timeout",
     "stable_topological_sort",
     "tracing",
     "tree_map",
@@ -145,11 +142,6 @@ disable_current_modes = _disable_current_modes
 
 current_graph_task_keep_graph = torch._C._autograd._get_current_graph_task_keep_graph
 """Inside a backward: whether the running graph task retains the graph (``retain_graph``)."""
-
-
-def group_sequence_number(group: Any) -> int:
-    """How many collectives ``group`` has issued on this rank (c10d's per-group counter)."""
-    return int(group._get_sequence_number_for_group())
 
 
 def compute_local_shape_at(

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import vescale
+from tests.harness.misuse import error_everywhere
 
 SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu")
 
@@ -103,3 +104,83 @@ def test_step_reads_nothing_to_the_host_sharded_plan(pool2):
 
 def test_step_reads_nothing_to_the_host_plain_parameters(pool2):
     pool2.run(_step_without_host_sync, {})
+
+
+# the ranks agree at the first step (issue 40 item 3) ----------------------------------------
+
+
+def _parallelized(plan: dict, model: nn.Module | None = None) -> nn.Module:
+    return vescale.parallelize(
+        model or Tiny(), _tp_mesh(), plan, inputs=[{"tp": vescale.Replicate()}],
+        example_inputs=[_batch()], compile=False, progress=False,
+    )  # fmt: skip
+
+
+def _seed_differs_on_rank_1(plan: dict) -> None:
+    """Rank 1 built its model from another seed: its replicated bias (and, under the empty
+    plan, every parameter) differs."""
+    model = Tiny()
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            model.fc.bias.add_(1e-3)
+    _parallelized(plan, model)(_batch())
+
+
+def _batch_differs_on_rank_1() -> None:
+    x = _batch()
+    if dist.get_rank() == 1:
+        x = x.flip(0)  # the same rows, in another order
+    _parallelized({"fc.weight": {"tp": vescale.Shard(0)}})(x)
+
+
+def test_replicated_parameter_differing_across_ranks_names_it_on_every_rank(pool2):
+    plan = {"fc.weight": {"tp": vescale.Shard(0)}, "fc.bias": {"tp": vescale.Replicate()}}
+    err = error_everywhere(pool2, _seed_differs_on_rank_1, plan)
+    assert err.kind == "PlanError", err
+    assert "parameter 'fc.bias' differs across ranks (ranks [0] vs [1]" in err.message, err
+    assert "torch.manual_seed" in err.message and "VESCALE_CHECK_RANKS=0" in err.message, err
+
+
+def test_plain_parameters_differing_across_ranks_are_refused(pool2):
+    err = error_everywhere(pool2, _seed_differs_on_rank_1, {})
+    assert "parameter 'fc.bias' differs across ranks" in err.message, err
+
+
+def test_batch_differing_across_ranks_names_the_input_on_every_rank(pool2):
+    err = error_everywhere(pool2, _batch_differs_on_rank_1)
+    assert err.kind == "PlanError", err
+    assert "input 0 (x) differs across ranks (ranks [0] vs [1]" in err.message, err
+    assert "same whole batch" in err.message, err
+
+
+def test_the_check_can_be_skipped_and_is_parsed_strictly(pool2):
+    pool2.run(_batch_differs_on_rank_1, env={"VESCALE_CHECK_RANKS": "0"})
+    err = error_everywhere(pool2, _batch_differs_on_rank_1, env={"VESCALE_CHECK_RANKS": "maybe"})
+    assert err.kind == "ValueError" and "VESCALE_CHECK_RANKS='maybe'" in err.message, err
+
+
+# an optimizer built before parallelize (issue 40 item 3) --------------------------------------
+
+
+def _optimizer_built_before(plan: dict) -> list[float]:
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    planned = _parallelized(plan, model)
+    planned(_batch()).backward()
+    opt.step()
+    return [float(p.detach().sum()) for p in model.parameters()]
+
+
+def test_optimizer_over_replaced_parameters_is_refused_at_its_step(pool2):
+    err = error_everywhere(pool2, _optimizer_built_before, {"fc.weight": {"tp": vescale.Shard(0)}})
+    assert err.kind == "StaleOptimizerError", err
+    assert "SGD.step" in err.message and "'fc.weight'" in err.message, err
+    assert "build the optimizer after vescale.parallelize" in err.message, err
+
+
+def test_optimizer_over_kept_parameters_trains(pool2):
+    """The empty plan keeps the plain parameter objects: the optimizer built before steps them."""
+    ref = Tiny()
+    before = [float(p.detach().sum()) for p in ref.parameters()]
+    for after in pool2.run(_optimizer_built_before, {}):
+        assert all(abs(a - b) > 1e-6 for a, b in zip(after, before)), (after, before)

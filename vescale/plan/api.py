@@ -30,6 +30,7 @@ from vescale.dtensor.deferred_init import materialize_module
 from vescale.dtensor.dtensor import new_dtensor, to_local
 from vescale.dtensor.placement_types import make_spec
 from vescale.passes.options import BackendOptions
+from vescale.plan import consistency, replaced
 from vescale.plan.batch import Batch, batch_choices
 from vescale.plan.capture import capture_joint
 from vescale.plan.cost import AlphaBeta, calibrate
@@ -282,18 +283,35 @@ class PlannedModule(nn.Module):
         return None
 
     def _check_inputs(self, args: Sequence[Any]) -> None:
+        """Each call: the inputs' shapes and dtypes. The first call, when the mesh spans the
+        world: also that the ranks agree (:mod:`vescale.plan.consistency`), in one gather;
+        every rank raises the same error."""
         group = solving_group(self.program.mesh) if self._step is None else None
         if group is None:  # later calls: each rank checks its own, no communication
             problem = self._mismatch(args, None)
             if problem:
                 raise PlanError(problem)
             return
-        # the first call: ranks may be given different inputs; every rank raises the same error
-        problems: list[str | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(problems, self._mismatch(args, dist.get_rank(group)), group=group)
-        problem = next((p for p in problems if p), None)
+        mine = self._mismatch(args, dist.get_rank(group))
+        digests = [] if mine or not consistency.enabled() else self._digests(args)
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (mine, digests), group=group)
+        problem = next((p for p, _ in gathered if p), None)
+        if problem is None and all(d for _, d in gathered):
+            problem = consistency.first_difference([d for _, d in gathered])
         if problem:
             raise PlanError(problem)
+
+    def _digests(self, args: Sequence[Any]) -> list[consistency.Digest]:
+        joint = self.program.joint
+        names = [f"parameter {n!r}" for n in joint.param_names]
+        names += [f"buffer {n!r}" for n in joint.buffer_names]
+        state = [(n, slots[key]) for n, (slots, key) in zip(names, self._slots)]
+        inputs = [
+            (f"input {i}" + (f" ({n})" if n else ""), a)
+            for i, (n, a) in enumerate(zip(self._input_names, args))
+        ]
+        return consistency.digests(state, inputs)
 
     def _step_inputs(self, args: Sequence[Any]) -> tuple[list[Any], list[torch.Tensor]]:
         """The compiled step's inputs (parameters, buffers, then ``args``: this rank's local
@@ -430,7 +448,9 @@ def parallelize(
         )
         placed = {} if plain else {glob.escape(n): (mesh, chosen[n]) for n in names}
         with _progress.stage("materialize") as stage:
+            before = replaced.params_of(model)
             materialize_module(model, placed)
+            replaced.record(before, model)  # an optimizer over the originals: refused at step
             stage.detail = f"{len(names)} parameters and buffers"
     return PlannedModule(model, program, input_placements, example_inputs, compile, options, shown)
 
