@@ -62,6 +62,7 @@ from torch.distributed.tensor.parallel import loss as upstream_loss_module
 from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+from torch.optim.optimizer import _global_optimizer_pre_hooks as global_optimizer_pre_hooks
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
@@ -100,6 +101,7 @@ __all__ = [
     "compute_global_tensor_info",
     "compute_local_shape_and_global_offset",
     "compute_local_shape_at",
+    "current_graph_task_keep_graph",
     "disable_current_modes",
     "expand_to_full_mesh_op_strategy",
     "export_tracing_state",
@@ -107,6 +109,7 @@ __all__ = [
     "gen_transform_infos",
     "get_proxy_mode",
     "get_proxy_slot",
+    "global_optimizer_pre_hooks",
     "inductor_cache_key",
     "inductor_pieces",
     "load_inductor_graph",
@@ -136,6 +139,9 @@ PROPAGATOR = _UpstreamDTensor._op_dispatcher.sharding_propagator
 from_functional_tensor = torch._from_functional_tensor
 PreparedSingleDimStrategy = _PreparedSingleDimStrategy
 disable_current_modes = _disable_current_modes
+
+current_graph_task_keep_graph = torch._C._autograd._get_current_graph_task_keep_graph
+"""Inside a backward: whether the running graph task retains the graph (``retain_graph``)."""
 
 
 def compute_local_shape_at(

@@ -22,6 +22,7 @@ from vescale._torch_compat import (
     FakeTensorMode,
     TracingContext,
     compute_local_shape_and_global_offset,
+    current_graph_task_keep_graph,
     tracing,
 )
 from vescale.dtensor import DTensor
@@ -29,6 +30,7 @@ from vescale.dtensor.deferred_init import materialize_module
 from vescale.dtensor.dtensor import new_dtensor, to_local
 from vescale.dtensor.placement_types import make_spec
 from vescale.passes.options import BackendOptions
+from vescale.plan import consistency, replaced
 from vescale.plan.batch import Batch, batch_choices
 from vescale.plan.capture import capture_joint
 from vescale.plan.cost import AlphaBeta, calibrate
@@ -43,12 +45,16 @@ from vescale.plan.validate import PlanError, normalize_placements, normalize_pla
 __all__ = ["PlanError", "PlannedModule", "parallelize"]
 
 PlanValue = Sequence[Placement] | Mapping[str, Placement]
+aten = torch.ops.aten
 
 
 class _AttachGrads(torch.autograd.Function):
     """The loss, whose backward hands the joint graph's gradients (this rank's shards) to the
     parameters as DTensors laid out as the parameters (``specs``; a plain parameter's, ``None``,
-    gets its plain gradient), scaled by the loss's gradient (1 for ``loss.backward()``)."""
+    gets its plain gradient), scaled by the loss's gradient on its device: no host sync on any
+    device, and ``loss.backward()``'s implicit 1 leaves every gradient bit for bit as the step
+    computed it. Scaled in place (one fused multiply, no copy) unless the graph is retained,
+    whose next backward hands the same gradients again."""
 
     @staticmethod
     def forward(
@@ -62,11 +68,14 @@ class _AttachGrads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grads = ctx.saved_tensors
+        grads = list(ctx.saved_tensors)
         n = len(grads)
-        g = grad.full_tensor() if isinstance(grad, _UpstreamDTensor) else grad
-        ones = g.device.type == "cpu" and g.numel() == 1 and g.item() == 1  # loss.backward()
-        scaled = grads if ones else [t * g for t in grads]
+        g = (grad.full_tensor() if isinstance(grad, _UpstreamDTensor) else grad).reshape(())
+        if current_graph_task_keep_graph():
+            scaled = list(aten._foreach_mul.Tensor(grads, g))
+        else:
+            aten._foreach_mul_.Tensor(grads, g)  # x * 1 == x exactly: the implicit 1 keeps them
+            scaled = grads
         wrapped = (
             t if s is None else new_dtensor(t, s, requires_grad=False)
             for t, s in zip(scaled, ctx.specs)
@@ -274,18 +283,35 @@ class PlannedModule(nn.Module):
         return None
 
     def _check_inputs(self, args: Sequence[Any]) -> None:
+        """Each call: the inputs' shapes and dtypes. The first call, when the mesh spans the
+        world: also that the ranks agree (:mod:`vescale.plan.consistency`), in one gather;
+        every rank raises the same error."""
         group = solving_group(self.program.mesh) if self._step is None else None
         if group is None:  # later calls: each rank checks its own, no communication
             problem = self._mismatch(args, None)
             if problem:
                 raise PlanError(problem)
             return
-        # the first call: ranks may be given different inputs; every rank raises the same error
-        problems: list[str | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(problems, self._mismatch(args, dist.get_rank(group)), group=group)
-        problem = next((p for p in problems if p), None)
+        mine = self._mismatch(args, dist.get_rank(group))
+        digests = [] if mine or not consistency.enabled() else self._digests(args)
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (mine, digests), group=group)
+        problem = next((p for p, _ in gathered if p), None)
+        if problem is None and all(d for _, d in gathered):
+            problem = consistency.first_difference([d for _, d in gathered])
         if problem:
             raise PlanError(problem)
+
+    def _digests(self, args: Sequence[Any]) -> list[consistency.Digest]:
+        joint = self.program.joint
+        names = [f"parameter {n!r}" for n in joint.param_names]
+        names += [f"buffer {n!r}" for n in joint.buffer_names]
+        state = [(n, slots[key]) for n, (slots, key) in zip(names, self._slots)]
+        inputs = [
+            (f"input {i}" + (f" ({n})" if n else ""), a)
+            for i, (n, a) in enumerate(zip(self._input_names, args))
+        ]
+        return consistency.digests(state, inputs)
 
     def _step_inputs(self, args: Sequence[Any]) -> tuple[list[Any], list[torch.Tensor]]:
         """The compiled step's inputs (parameters, buffers, then ``args``: this rank's local
@@ -422,7 +448,9 @@ def parallelize(
         )
         placed = {} if plain else {glob.escape(n): (mesh, chosen[n]) for n in names}
         with _progress.stage("materialize") as stage:
+            before = replaced.params_of(model)
             materialize_module(model, placed)
+            replaced.record(before, model)  # an optimizer over the originals: refused at step
             stage.detail = f"{len(names)} parameters and buffers"
     return PlannedModule(model, program, input_placements, example_inputs, compile, options, shown)
 
