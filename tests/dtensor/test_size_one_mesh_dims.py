@@ -108,4 +108,3 @@ def test_gpt_trains_on_a_1x1_mesh():
         [sys.executable, "-c", _ONE_RANK], capture_output=True, text=True, env=env, timeout=600
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-
