@@ -365,7 +365,9 @@ def uninstall() -> None:
         return
     while _libraries:
         _libraries.pop()._destroy()
-    kept = [g for g in torch.serialization.get_safe_globals() if g not in _state["safe_globals_added"]]
+    kept = [
+        g for g in torch.serialization.get_safe_globals() if g not in _state["safe_globals_added"]
+    ]
     torch.serialization.clear_safe_globals()
     torch.serialization.add_safe_globals(kept)
     for e in reversed(list(_entries.values())):
