@@ -141,6 +141,15 @@ def _finishes_norm(src: DTensorSpec, dst: DTensorSpec) -> bool:
     return not _communicates(DTensorSpec(src.mesh, rest, tensor_meta=src.tensor_meta), dst)
 
 
+def _shown_mesh(mesh: Any) -> Any:
+    """``mesh`` as eager prints it: a trace holds it in an opaque ``FakeScriptObject`` whose
+    ``real_obj`` is the mesh."""
+    try:
+        return object.__getattribute__(mesh, "real_obj")
+    except AttributeError:
+        return mesh
+
+
 _upstream_observe = ExplicitRedistributionContext.observe_redistribution
 
 
@@ -159,7 +168,7 @@ def observe_redistribution(
         op, source = _op_of(redistribution_msg), explicit_state()[1]
         raise ImplicitRedistributionError(
             f"{op}{_traced_user_line()}: implicit redistribution of an input from {tuple(src_spec.placements)} to "
-            f"{tuple(dst_spec.placements)} on {src_spec.mesh} (global shape "
+            f"{tuple(dst_spec.placements)} on {_shown_mesh(src_spec.mesh)} (global shape "
             f"{tuple(src_spec.shape)}) is forbidden: explicit mode is on "
             f"({source}). Call .redistribute(placements="
             f"{list(dst_spec.placements)}) on it first, or allow it with "
