@@ -1,6 +1,6 @@
 """The one seam with torch: every change vescale makes to a torch object.
 
-Three kinds of entries, each with the reason it exists:
+Four kinds of entries, each with the reason it exists:
 
 * **attribute patches** (:data:`ATTRIBUTES`, built by :func:`_attribute_table`): an
   attribute of a torch class, instance or module replaced by a function defined elsewhere in
@@ -12,7 +12,9 @@ Three kinds of entries, each with the reason it exists:
   adjusters in upstream DTensor's tables, recorded with the value they replaced;
 * **dispatcher kernels** (:func:`register_kernel`): Python kernels for an op at dispatch keys
   where it has none of its own (an autograd key before a CompositeImplicitAutograd
-  decomposition), held in a ``torch.library.Library`` that :func:`uninstall` destroys.
+  decomposition), held in a ``torch.library.Library`` that :func:`uninstall` destroys;
+* **safe globals** (:func:`_safe_globals`): vescale's DTensor, spec, mesh and placement
+  classes on ``torch.serialization``'s allowlist, as upstream puts its own there.
 
 :func:`install` (run once by ``import vescale``, before any DTensor op: upstream's C++
 dispatcher caches ``OpDispatcher.wrap`` at first use) applies all of them and is idempotent;
@@ -77,7 +79,7 @@ _attributes: list[_Attribute] = []
 _entries: dict[tuple[int, Any], _Entry] = {}
 _kernels: list[_Kernel] = []
 _libraries: list[Any] = []  # the torch.library.Library objects holding _kernels while installed
-_state = {"installed": False}
+_state: dict[str, Any] = {"installed": False, "safe_globals_added": []}
 
 
 def installed() -> bool:
@@ -319,6 +321,22 @@ def _attribute_table() -> list[_Attribute]:
     ]
 
 
+_SAFE_GLOBALS_WHY = (
+    "torch.load's default weights_only=True loads vescale DTensors, as upstream allows "
+    "its DTensor, DeviceMesh, spec and placement classes"
+)
+
+
+def _safe_globals() -> list[Any]:
+    """The vescale classes a pickled ``vescale.DTensor`` (``torch.save``) names."""
+    from vescale.dtensor.device_mesh import DeviceMesh
+    from vescale.dtensor.dtensor import DTensor, VescaleSpec
+    from vescale.dtensor.placement_types import InterleavedShard, Partial
+    from vescale.dtensor.ragged import RaggedShard
+
+    return [DTensor, VescaleSpec, DeviceMesh, Partial, InterleavedShard, RaggedShard]
+
+
 def install() -> None:
     """Apply every attribute patch and registry entry (idempotent)."""
     if _state["installed"]:
@@ -333,6 +351,9 @@ def install() -> None:
         _write(e.table, e.key, e.value)
     for k in _kernels:
         _impl(k)
+    before = torch.serialization.get_safe_globals()
+    _state["safe_globals_added"] = [g for g in _safe_globals() if g not in before]
+    torch.serialization.add_safe_globals(_state["safe_globals_added"])
     _state["installed"] = True
     _clear_caches()
 
@@ -344,6 +365,11 @@ def uninstall() -> None:
         return
     while _libraries:
         _libraries.pop()._destroy()
+    kept = [
+        g for g in torch.serialization.get_safe_globals() if g not in _state["safe_globals_added"]
+    ]
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals(kept)
     for e in reversed(list(_entries.values())):
         _write(e.table, e.key, e.original)
     for a in reversed(_attributes):
@@ -365,4 +391,8 @@ def describe() -> list[tuple[str, str, str]]:
     rows = [(_name(a.owner), a.name, a.why) for a in _attributes or _attribute_table()]
     rows += [(e.table_name, str(e.key), e.why) for e in _entries.values()]
     rows += [(f"dispatcher {'/'.join(k.keys)}", str(k.op), k.why) for k in _kernels]
+    rows += [
+        ("torch.serialization safe globals", f"{g.__module__}.{g.__qualname__}", _SAFE_GLOBALS_WHY)
+        for g in _safe_globals()
+    ]
     return rows

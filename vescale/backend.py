@@ -92,6 +92,9 @@ def _rank_dir(dump_dir: str | os.PathLike[str] | None) -> Path | None:
         return None
     rank = dist.get_rank() if dist.is_initialized() else 0
     path = Path(dump_dir) / f"rank{rank}"
+    for p in (Path(dump_dir), path):
+        if p.exists() and not p.is_dir():
+            raise ValueError(f"vescale backend: dump_dir {str(dump_dir)!r}: {p} is not a directory")
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -289,6 +292,7 @@ def _compile(
         bw_compiler=_graph_compiler(opts, f"graph{gid}.backward"),
         **extra,
     )
+    _rank_dir(opts.dump_dir)  # a dump_dir that is a file: an error here, not a fallback
     route_input_views(gm)  # outputs that view inputs keep a DTensor backward
     shown = _progress.enabled()  # a bad VESCALE_PROGRESS raises here, not as a fallback
     try:

@@ -604,8 +604,24 @@ class DTensor(_UpstreamDTensor):
         return self._local_tensor.tolist()
 
     def data_ptr(self) -> int:
-        """The local shard's ``data_ptr()`` (for pointer-taking plug-in kernels)."""
+        """The local shard's ``data_ptr()`` (for pointer-taking plug-in kernels); 0, as
+        upstream's, while torch copies or pickles a DTensor (see ``__deepcopy__``)."""
+        if getattr(_copying, "on", False):
+            return 0
         return wait_local(self._local_tensor).data_ptr()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DTensor:
+        """torch's ``copy.deepcopy`` of a tensor subclass, which takes the wrapper-subclass
+        path only for a ``data_ptr()`` of 0 (upstream's DTensor); the result is a
+        ``vescale.DTensor`` (an ``nn.Parameter``'s stays a parameter)."""
+        with _as_wrapper():
+            return super().__deepcopy__(memo)  # type: ignore[no-any-return]
+
+    def __reduce_ex__(self, proto: Any) -> Any:
+        """Pickling (``torch.save``): torch's, on the wrapper-subclass path as for
+        ``__deepcopy__``; the local shard, spec and mesh are pickled with it."""
+        with _as_wrapper():
+            return super().__reduce_ex__(proto)
 
     def __create_write_items__(self, fqn: str, object: Any) -> Any:
         """DCP save: a RaggedShard's slice as the boxes it covers (upstream's otherwise)."""
@@ -635,6 +651,21 @@ class DTensor(_UpstreamDTensor):
         out.__class__ = DTensor
         out._spec = as_vescale_spec(out._spec)
         return out  # type: ignore[return-value]
+
+
+_copying = threading.local()  # .on: DTensor.data_ptr() reads 0 (torch copying or pickling)
+
+
+@contextlib.contextmanager
+def _as_wrapper() -> Iterator[None]:
+    """``DTensor.data_ptr()`` is 0 in this scope and thread, so torch's copy and pickle code
+    treats vescale DTensors as the wrapper subclasses they are."""
+    prev = getattr(_copying, "on", False)
+    _copying.on = True
+    try:
+        yield
+    finally:
+        _copying.on = prev
 
 
 _upstream_wrap = OpDispatcher.wrap

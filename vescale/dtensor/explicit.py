@@ -5,7 +5,8 @@ On by default (``VESCALE_DISABLE_REDISTRIBUTE``: unset or ``1/true/yes/on`` on,
 :func:`explicit_redistribute` in a scope): an op whose vescale inputs would need a
 redistribution that communicates raises :class:`ImplicitRedistributionError` naming the op,
 the input placements and the placements the strategy wanted (upstream DTensors keep
-upstream's implicit redistribution). Local steps (e.g. Replicate -> Shard) stay allowed;
+upstream's implicit redistribution). Local steps (e.g. Replicate -> Shard, or any change on
+a mesh dim of one rank, which moves nothing) stay allowed;
 explicit ``redistribute()`` calls always are. The rule covers the forward, the code users
 write: inside backward (the autograd engine running, eager or while AOTAutograd traces it) a
 redistribution is the adjoint of a layout the forward chose (e.g. the all-reduce of a
@@ -38,7 +39,7 @@ from vescale._torch_compat import (
 )
 from vescale.dtensor.dtensor import VescaleSpec, redistribute_dtensor
 from vescale.dtensor.placement_types import Placement, is_norm_partial, spec_placements
-from vescale.dtensor.redistribute import strided_communicates
+from vescale.dtensor.redistribute import moves_nothing, strided_communicates
 
 __all__ = [
     "ImplicitRedistributionError",
@@ -119,7 +120,10 @@ def _dynamo_propagating() -> bool:
 
 
 def _communicates(src: DTensorSpec, dst: DTensorSpec) -> bool:
-    # cheap for local slices; upstream prices strided-shard steps at 0
+    # cheap for local slices; upstream prices strided-shard steps at 0, and steps on mesh
+    # dims of one rank above 0
+    if moves_nothing(src, dst):
+        return False
     return redistribute_cost(src, dst) > 0 or strided_communicates(src, dst)
 
 
@@ -135,6 +139,15 @@ def _finishes_norm(src: DTensorSpec, dst: DTensorSpec) -> bool:
         for s, d in zip(src.placements, dst.placements)
     )
     return not _communicates(DTensorSpec(src.mesh, rest, tensor_meta=src.tensor_meta), dst)
+
+
+def _shown_mesh(mesh: Any) -> Any:
+    """``mesh`` as eager prints it: a trace holds it in an opaque ``FakeScriptObject`` whose
+    ``real_obj`` is the mesh."""
+    try:
+        return object.__getattribute__(mesh, "real_obj")
+    except AttributeError:
+        return mesh
 
 
 _upstream_observe = ExplicitRedistributionContext.observe_redistribution
@@ -155,7 +168,7 @@ def observe_redistribution(
         op, source = _op_of(redistribution_msg), explicit_state()[1]
         raise ImplicitRedistributionError(
             f"{op}{_traced_user_line()}: implicit redistribution of an input from {tuple(src_spec.placements)} to "
-            f"{tuple(dst_spec.placements)} on {src_spec.mesh} (global shape "
+            f"{tuple(dst_spec.placements)} on {_shown_mesh(src_spec.mesh)} (global shape "
             f"{tuple(src_spec.shape)}) is forbidden: explicit mode is on "
             f"({source}). Call .redistribute(placements="
             f"{list(dst_spec.placements)}) on it first, or allow it with "

@@ -16,7 +16,7 @@ from vescale._torch_compat import DTensorSpec, StridedShard, upstream_dispatch_m
 from vescale.dtensor.dtensor import VescaleSpec
 from vescale.dtensor.placement_types import Placement, is_private_partial
 from vescale.dtensor.ragged import RaggedShard
-from vescale.dtensor.redistribute import redistribute_local_tensor
+from vescale.dtensor.redistribute import moves_nothing, redistribute_local_tensor
 
 __all__ = ["redistribute_for_dispatch"]
 
@@ -31,9 +31,13 @@ def redistribute_for_dispatch(
     planner refuses) and any involving an interleaved (strided) or a ragged shard go through
     vescale's planner; everything else, and every step to or from a private partial placement
     such as upstream's ``_MaskPartial`` (whose reduction masks and offsets an index), is
-    upstream's. On a meta mesh every step is vescale's: shapes only, no communication."""
+    upstream's. On a meta mesh every step is vescale's: shapes only, no communication; so is
+    one that moves nothing (changes only on mesh dims of one rank): the local tensor as it is,
+    where upstream would call collectives over groups of one."""
     if type(src) is VescaleSpec and (
-        src.mesh.device_type == "meta" or _vescale_plans(src.placements, dst.placements)
+        src.mesh.device_type == "meta"
+        or _vescale_plans(src.placements, dst.placements)
+        or moves_nothing(src, dst)
     ):
         return redistribute_local_tensor(local, src, dst, async_op=kwargs.get("async_op", False))
     return _upstream_dispatch_redistribute(local, src, dst, **kwargs)  # type: ignore[no-any-return]

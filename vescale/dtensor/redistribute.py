@@ -44,6 +44,7 @@ from vescale.dtensor.ragged_redistribute import redistribute_ragged
 
 __all__ = [
     "meta_shard",
+    "moves_nothing",
     "redistribute_local_tensor",
     "replicate_to_partial",
     "strided_communicates",
@@ -86,7 +87,7 @@ def redistribute_local_tensor(
     """The local shard of ``local`` (laid out as ``src``) laid out as ``dst``."""
     if src.mesh != dst.mesh:
         raise ValueError(f"redistribute: cannot move between meshes {src.mesh} and {dst.mesh}")
-    if src.placements == dst.placements:
+    if src.placements == dst.placements or moves_nothing(src, dst):
         return local
     if find_ragged(src.placements) is not None or find_ragged(dst.placements) is not None:
         return redistribute_ragged(
@@ -97,6 +98,22 @@ def redistribute_local_tensor(
     if _has_strided(src, dst) and src.mesh.ndim > 1:
         return _by_mesh_dim(local, src, dst, async_op)
     return _direct(local, src, dst, async_op)
+
+
+def moves_nothing(src: DTensorSpec, dst: DTensorSpec) -> bool:
+    """Whether ``src -> dst`` leaves every local shard as it is: each placement that changes
+    is on a mesh dim of one rank (where every layout is the whole tensor; not a
+    ``RaggedShard``, whose local tensor is a flat slice)."""
+    return _moves_nothing(src.placements, dst.placements, tuple(src.mesh.shape))
+
+
+@functools.lru_cache(maxsize=1024)
+def _moves_nothing(
+    src: tuple[Placement, ...], dst: tuple[Placement, ...], mesh_shape: tuple[int, ...]
+) -> bool:
+    if find_ragged(src) is not None or find_ragged(dst) is not None:
+        return False
+    return all(s == d or n == 1 for s, d, n in zip(src, dst, mesh_shape))
 
 
 def meta_shard(local: torch.Tensor, shape: torch.Size, dst: DTensorSpec) -> torch.Tensor:
