@@ -114,3 +114,36 @@ def test_backend_options_defaults_and_docs_in_one_place():
     assert DistributedDataParallel(torch.nn.Module())._reducer.cap_bytes == int(
         BackendOptions().bucket_cap_mb * 2**20
     )
+
+
+def test_mode_and_backward_reach_compile_fx_inner(monkeypatch):
+    """``mode="max-autotune"`` reaches Inductor as its config (seen inside compile_fx_inner),
+    and the backward graph is compiled with ``is_backward=True`` (the forward with False)."""
+    from torch._inductor import config
+
+    from vescale import backend
+
+    seen = []
+    real = backend.inductor_pieces()
+
+    def spy(gm, example_inputs, **kwargs):
+        seen.append((kwargs.get("is_backward", False), config.max_autotune))
+        return real[0](gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(backend, "inductor_pieces", lambda: (spy, *real[1:]))
+    torch._dynamo.reset()
+    f = torch.compile(
+        lambda t: torch.sin(t) * 2, backend="vescale", mode="max-autotune-no-cudagraphs"
+    )
+    x = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    f(x).sum().backward()
+    assert torch.allclose(x.grad, 2 * torch.cos(x))
+    assert seen == [(False, True), (True, True)]
+    assert config.max_autotune is False  # patched only while compiling
+
+
+def test_unknown_mode_names_it():
+    torch._dynamo.reset()
+    f = torch.compile(lambda t: t + 1, backend="vescale", mode="fastest")
+    with pytest.raises(Exception, match="unknown mode 'fastest'"):
+        f(torch.randn(2))

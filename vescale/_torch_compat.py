@@ -111,6 +111,8 @@ __all__ = [
     "get_proxy_slot",
     "global_optimizer_pre_hooks",
     "inductor_cache_key",
+    "inductor_config_patch",
+    "inductor_mode_options",
     "inductor_pieces",
     "load_inductor_graph",
     "make_boxed_func",
@@ -187,6 +189,20 @@ def inductor_pieces() -> tuple[Any, Any, Any]:
     from torch._inductor.decomposition import select_decomp_table
 
     return compile_fx_inner, select_decomp_table, min_cut_rematerialization_partition
+
+
+def inductor_mode_options() -> dict[str, dict[str, Any]]:
+    """``torch.compile``'s modes and the Inductor config patches each stands for."""
+    from torch._inductor import list_mode_options
+
+    return {m: list_mode_options(m) for m in list_mode_options()}
+
+
+def inductor_config_patch(patches: dict[str, Any]) -> Any:
+    """A context manager patching Inductor's config with ``patches``."""
+    from torch._inductor import config
+
+    return config.patch(patches)
 
 
 def inductor_cache_key(compiled: Any) -> tuple[str, list[str]] | None:

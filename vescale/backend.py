@@ -35,6 +35,8 @@ from vescale._torch_compat import (
     DYNAMO_COMPILER_FNS,
     aot_autograd,
     inductor_cache_key,
+    inductor_config_patch,
+    inductor_mode_options,
     inductor_pieces,
     load_inductor_graph,
     make_boxed_func,
@@ -164,7 +166,9 @@ def record_inductor_forwards() -> contextlib.AbstractContextManager[list[Inducto
     return _listening(_forwards)
 
 
-def _graph_compiler(opts: BackendOptions, name: str, calls: Sequence[str] = ()) -> Any:
+def _graph_compiler(
+    opts: BackendOptions, name: str, calls: Sequence[str] = (), mode: dict[str, Any] | None = None
+) -> Any:
     """The AOT compiler of graph ``name``; ``calls``: the Dynamo graph's ``from_local`` calls,
     compared across ranks (with the collectives) before the forward graph's first run."""
 
@@ -183,7 +187,7 @@ def _graph_compiler(opts: BackendOptions, name: str, calls: Sequence[str] = ()) 
         _append_collectives(folder, ctx.reports.get("collectives", []))
         for graphs in _captures:
             graphs.append(CompiledGraph(name, gm, ctx))
-        compiled = _codegen(gm, example_inputs, opts, name)
+        compiled = _codegen(gm, example_inputs, opts, name, mode or {})
         sequence = [*calls, *ctx.reports["fingerprint"]]
         listened = _forwards and name.endswith(".forward")  # nobody asks: nothing to record
         cached = inductor_cache_key(compiled) if listened else None
@@ -197,13 +201,19 @@ def _graph_compiler(opts: BackendOptions, name: str, calls: Sequence[str] = ()) 
 
 
 def _codegen(
-    gm: torch.fx.GraphModule, example_inputs: list[Any], opts: BackendOptions, name: str
+    gm: torch.fx.GraphModule,
+    example_inputs: list[Any],
+    opts: BackendOptions,
+    name: str,
+    mode: dict[str, Any],
 ) -> Any:
-    """Inductor (falling back to the captured FX graph if it fails) or FX, boxed."""
+    """Inductor under ``mode``'s config patches (falling back to the captured FX graph if it
+    fails; a backward compiled as one, ``is_backward=True``) or FX, boxed."""
     if opts.codegen == "inductor":
         compile_fx_inner, _, _ = inductor_pieces()
         try:
-            return compile_fx_inner(gm, example_inputs)
+            with inductor_config_patch(mode):
+                return compile_fx_inner(gm, example_inputs, is_backward=name.endswith(".backward"))
         except Exception as err:
             if opts.strict:
                 raise
@@ -226,17 +236,39 @@ def _rank_checked(compiled: Any, name: str, sequence: list[str]) -> Any:
 
 
 def vescale_backend(
-    gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None
+    gm: torch.fx.GraphModule,
+    example_inputs: list[Any],
+    options: dict[str, Any] | None = None,
+    mode: str | None = None,
 ) -> Any:
-    """``torch.compile(model, backend="vescale", options={...})``.
+    """``torch.compile(model, backend="vescale", options={...}, mode=...)``.
 
-    Bad options and a bad ``VESCALE_DISABLE_REDISTRIBUTE`` raise ``ValueError`` here, before
-    anything can fall back (Dynamo reports it as ``BackendCompilerFailed`` at the first call)."""
+    ``mode`` ("default", "reduce-overhead", "max-autotune", ...) patches Inductor's config as
+    ``backend="inductor"`` does (``torch._inductor.list_mode_options``); it needs
+    ``codegen="inductor"``. Bad options, a bad mode and a bad ``VESCALE_DISABLE_REDISTRIBUTE``
+    raise ``ValueError`` here, before anything can fall back (Dynamo reports it as
+    ``BackendCompilerFailed`` at the first call)."""
     opts = BackendOptions.resolve(options)
+    patches = _mode_patches(mode, opts)
     explicit = _explicit(opts)
     if opts.eager:
         return gm.forward
-    return _compile(gm, example_inputs, opts, next(_graph_ids), explicit)
+    return _compile(gm, example_inputs, opts, next(_graph_ids), explicit, patches)
+
+
+def _mode_patches(mode: str | None, opts: BackendOptions) -> dict[str, Any]:
+    """Inductor's config patches of ``torch.compile``'s ``mode`` (none for ``None``/"default")."""
+    if mode is None or mode == "default":
+        return {}
+    modes = inductor_mode_options()
+    if mode not in modes:
+        raise ValueError(f"vescale backend: unknown mode {mode!r}; known: {sorted(modes)}")
+    if opts.codegen != "inductor":
+        raise ValueError(
+            f"vescale backend: mode={mode!r} configures Inductor; it needs codegen='inductor', "
+            f"got codegen={opts.codegen!r}"
+        )
+    return dict(modes[mode])
 
 
 def compile_or_load(
@@ -279,6 +311,7 @@ def _compile(
     opts: BackendOptions,
     gid: int,
     explicit: tuple[bool, str],
+    mode: dict[str, Any] | None = None,
 ) -> Any:
     extra: dict[str, Any] = {}
     if opts.codegen == "inductor":  # Inductor lowers only its own decomposed op set
@@ -288,8 +321,8 @@ def _compile(
             "partition_fn": min_cut_rematerialization_partition,
         }
     aot = aot_autograd(
-        fw_compiler=_graph_compiler(opts, f"graph{gid}.forward", from_local_calls(gm)),
-        bw_compiler=_graph_compiler(opts, f"graph{gid}.backward"),
+        fw_compiler=_graph_compiler(opts, f"graph{gid}.forward", from_local_calls(gm), mode),
+        bw_compiler=_graph_compiler(opts, f"graph{gid}.backward", (), mode),
         **extra,
     )
     _rank_dir(opts.dump_dir)  # a dump_dir that is a file: an error here, not a fallback
