@@ -84,14 +84,14 @@ def test_deferred_then_materialized_equals_eager(name):
 
 def test_stock_layers_replay_on_the_shard_only():
     """The init ops of Linear, Embedding (padding row), LayerNorm, the GPT and the custom
-    module's randn/trunc_normal_/view fills replay on the shard (no full-size temporary);
-    derived inits (orthogonal_, arange().float(), copy from a deferred tensor) do not."""
+    module's randn/trunc_normal_/view fills and casts (arange().float()) replay on the shard;
+    derived inits (orthogonal_, arithmetic on a deferred tensor, copy from one) do not."""
     local = {}
     for name, fn in _modules().items():
         m = deferred_init(fn)
         for key, t in [*m.named_parameters(), *m.named_buffers()]:
             local[f"{name}.{key}"] = not t._view and _local_ok(t._record)
-    derived = {"custom.c", "custom.d", "custom.pos", "custom.scale"}
+    derived = {"custom.c", "custom.d", "custom.scale"}
     assert {k for k, ok in local.items() if not ok} == derived
 
 
@@ -223,3 +223,63 @@ def test_demo_gpt_through_deferred_init(pool4):
     """The demo's distributed model: deferred, materialized shard by shard, first-step loss
     equal to single-device init."""
     pool4.run(_check_demo_first_step)
+
+
+# ---- casts after deferred_init, and a second materialize_module --------------------------
+
+CASTS = {
+    "double": lambda m: m.double(),
+    "half": lambda m: m.half(),
+    "to_bfloat16": lambda m: m.to(torch.bfloat16),
+    "to_dtype_kw": lambda m: m.to(dtype=torch.float64),
+}
+
+
+@pytest.mark.parametrize("cast", list(CASTS))
+@pytest.mark.parametrize("name", ["linear", "embedding", "custom"])
+def test_casts_after_deferred_init_are_kept(name, cast):
+    fn, apply = _modules()[name], CASTS[cast]
+    torch.manual_seed(1)
+    eager = apply(fn())
+    torch.manual_seed(1)
+    m = apply(deferred_init(fn))
+    assert is_deferred(m)
+    materialize_module(m)
+    for (key, got), want in zip(m.state_dict().items(), eager.state_dict().values()):
+        assert got.dtype == want.dtype and torch.equal(got, want), (key, got.dtype, want.dtype)
+    if name == "linear":  # the cast replays on the shard: no full-size temporary
+        assert all(_local_ok(p._record) for p in apply(deferred_init(fn)).parameters())
+
+
+def _check_sharded_casts():
+    mesh = mesh_of((4,))
+    torch.manual_seed(3)
+    eager = nn.Linear(10, 9).to(torch.bfloat16)
+    torch.manual_seed(3)
+    m = deferred_init(nn.Linear, 10, 9).to(torch.bfloat16)
+    materialize_module(m, {"weight": (mesh, [Shard(0)]), "bias": (mesh, [Shard(0)])})
+    for pname in ("weight", "bias"):
+        got = getattr(m, pname)
+        want = expected_local(getattr(eager, pname).detach(), (4,), coord_of((4,)), [Shard(0)])
+        assert got.dtype == torch.bfloat16 and torch.equal(got.to_local(), want), pname
+
+
+def test_sharded_casts_are_kept(pool4):
+    pool4.run(_check_sharded_casts)
+
+
+def test_materialize_module_twice():
+    """A second call without a plan keeps the tensors; one whose plan takes a DTensor raises
+    naming the module and the tensor."""
+    from tests.harness import fake_world
+
+    with fake_world(4):
+        mesh = vescale.init_device_mesh("cpu", (4,))
+        m = deferred_init(nn.Linear, 8, 8)
+        plan = {"*": (mesh, [Shard(0)])}
+        materialize_module(m, plan)
+        weight = m.weight
+        assert materialize_module(m) is m and m.weight is weight
+        with pytest.raises(ValueError, match=r"Linear's 'weight' is already a DTensor .*Shard"):
+            materialize_module(m, plan)
+        assert m.weight is weight

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor as _UpstreamDTensor
 from torch.utils.hooks import RemovableHandle
 
 from vescale._torch_compat import TorchDispatchMode, tree_map
@@ -167,6 +168,24 @@ class _Derived(_OpStep):
         out = self.run()
         return out if self.index is None else out[self.index]  # type: ignore[no-any-return]
 
+    def local_ok(self, record: _Record) -> bool:
+        """A cast (``_to_copy``: ``.to(dtype)``, ``.double()``, ...) of one deferred tensor,
+        not through a view, whose own steps replay on the shard: element-wise, so it does."""
+        src = self.args[0] if self.args else None
+        rest = [*self.args[1:], *self.kwargs.values()]
+        return (
+            self.func is aten._to_copy.default
+            and isinstance(src, _Ref)
+            and not src.view
+            and not any(isinstance(a, _Ref | torch.Tensor) for a in rest)
+            and _local_ok(src.record, src.version)
+        )
+
+    def local(self, local: torch.Tensor, record: _Record, indices: Indices) -> torch.Tensor:
+        src = self.args[0]
+        kwargs = {k: v for k, v in self.kwargs.items() if k != "memory_format"}
+        return self.func(_local_value(src.record, indices, src.version), **kwargs)  # type: ignore[no-any-return]
+
 
 @dataclass(eq=False)
 class _InPlace(_OpStep):
@@ -292,6 +311,18 @@ class _DeferredTensor(torch.Tensor):
         return t
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        return torch.Tensor.data.__get__(self)  # type: ignore[attr-defined,no-any-return]
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """``param.data = value`` (``nn.Module.to``/``.double()``/``.half()`` on parameters):
+        the tensor takes ``value``'s record too, so the cast replays at materialization."""
+        torch.Tensor.data.__set__(self, value)  # type: ignore[attr-defined]
+        if isinstance(value, _DeferredTensor):
+            self._record, self._view = value._record, value._view
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
@@ -543,18 +574,20 @@ def _view_positions(
     return pos
 
 
-def _local_ok(record: _Record) -> bool:
-    """Whether every step of ``record`` replays on a shard alone."""
-    return all(step.local_ok(record) for step in record.steps)
+def _local_ok(record: _Record, upto: int | None = None) -> bool:
+    """Whether every step of ``record`` (the first ``upto``) replays on a shard alone."""
+    return all(step.local_ok(record) for step in record.steps[:upto])
 
 
-def _local_value(record: _Record, indices: Indices) -> torch.Tensor:
-    """This rank's shard of ``record``: replayed on the shard when every step allows it,
-    else replayed in full (this tensor only) and sliced."""
-    if not _local_ok(record):
-        return take_local(_full(record, len(record.steps)), indices)
+def _local_value(record: _Record, indices: Indices, upto: int | None = None) -> torch.Tensor:
+    """This rank's shard of ``record`` after its first ``upto`` steps (all by default):
+    replayed on the shard when every step allows it, else replayed in full (this tensor
+    only) and sliced."""
+    upto = len(record.steps) if upto is None else upto
+    if not _local_ok(record, upto):
+        return take_local(_full(record, upto), indices)
     local = torch.empty(0)
-    for step in record.steps:
+    for step in record.steps[:upto]:
         local = step.local(local, record, indices)
     return local
 
@@ -666,10 +699,15 @@ def materialize_module(
 
     ``plan`` maps names (``fnmatch`` patterns, first match wins) to ``(device_mesh,
     placements)``: those become DTensors holding only this rank's shard; the rest become
-    ordinary tensors. Tied tensors stay tied (a pattern matching any of their names applies).
-    A pattern that takes no tensor (matching no name, or only names an earlier pattern took),
-    or a tied tensor whose names take entries that differ, raises ``ValueError`` before
-    anything is materialized. Returns ``module``."""
+    ordinary tensors. Casts recorded after ``deferred_init`` (``.to(dtype)``, ``.double()``,
+    ``.half()``) are replayed: values equal one device doing the same. Tied tensors stay tied
+    (a pattern matching any of their names applies). Tensors that already hold data are
+    kept, or sliced when a plan entry takes a plain tensor; so a second call without a plan
+    is a no-op. ``ValueError``, before anything is materialized: a pattern that takes no
+    tensor (matching no name, or only names an earlier pattern took), a tied tensor whose
+    names take entries that differ, or a plan entry taking a DTensor (the module was
+    materialized by an earlier call; the message names the module and the tensor).
+    Returns ``module``."""
     plan = dict(plan or {})
     slots: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     names: dict[int, list[str]] = {}  # id of a (possibly tied) tensor -> its names
@@ -680,6 +718,14 @@ def materialize_module(
                     slots.append((table, leaf, t))
                     names.setdefault(id(t), []).append(f"{mod_name}.{leaf}" if mod_name else leaf)
     targets = _plan_targets(plan, names)
+    for *_, t in slots:
+        if id(t) in targets and isinstance(t, _UpstreamDTensor):
+            raise ValueError(
+                f"materialize_module: {type(module).__name__}'s {names[id(t)][0]!r} is already "
+                f"a DTensor ({_describe((t.device_mesh, t.placements))}): the module was "
+                f"materialized by an earlier call; materialize a deferred_init'ed module once "
+                f"(use redistribute to change a layout)"
+            )
     done: dict[int, torch.Tensor] = {}  # id of a (possibly tied) tensor -> its replacement
     for table, leaf, t in slots:
         if id(t) not in done:

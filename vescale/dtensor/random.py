@@ -160,7 +160,10 @@ _scratch_cache = threading.local()
 
 def _scratch(dtype: torch.dtype, slot: str) -> torch.Tensor:
     """A per-thread buffer of ``PIECE_ELEMENTS + 16`` elements, kept between ops: freeing and
-    reallocating a piece per op lets small long-lived allocations fragment the heap."""
+    reallocating a piece per op lets small long-lived allocations fragment the heap. Under a
+    mode making tensors of another type (torch.compile's fake mode): a fresh one, uncached."""
+    if type(torch.empty(0)) is not torch.Tensor:
+        return torch.empty(PIECE_ELEMENTS + 16, dtype=dtype)
     cache: dict[tuple[torch.dtype, str], torch.Tensor] = _scratch_cache.__dict__.setdefault(
         "buffers", {}
     )
@@ -509,3 +512,10 @@ def manual_seed(seed: int, device_mesh: Any = None, tp_dim: int = 0) -> None:
 def is_rng_supported_mesh(device_mesh: Any) -> bool:
     """veScale legacy's check; vescale's random ops support every mesh device type."""
     return True
+
+
+# the kernel probes run here, outside any mode: under torch.compile's fake mode they would
+# mix real and fake tensors
+_bernoulli_is_elementwise()
+for _dtype in (torch.float32, torch.float64):
+    _bernoulli_tensor_is_uniform(_dtype)
