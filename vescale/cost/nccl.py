@@ -1,13 +1,14 @@
 """Collective time on NVIDIA GPUs: NCCL's ring model, with NCCL's tuning constants.
 
 A ring collective of ``kind`` over ``n`` ranks on ``nodes`` nodes takes, per protocol (LL
-for small messages, Simple for large; the faster one is NCCL's choice),
+for small messages, LL128 within a node, Simple for large; the fastest is NCCL's choice),
 ``base + (steps - inter) * intra_hop + inter * net_hop + wire / bus_bw``: ``steps`` ring
 steps (all-reduce ``2 (n-1)``, others ``n-1``), ``inter`` of them crossing nodes, ``wire``
 the bytes a rank sends (:func:`vescale.cost.model.wire_bytes`: NCCL's bytes times
 ``steps / n``), ``bus_bw`` NVLink's within a node, InfiniBand's across nodes (LL: half of it,
 capped). This is the Ring branch of ``torch._inductor.comm_analysis`` (which mirrors NCCL's
-``ncclTopoTuneModel``); upstream's function reads the GPU and topology of the machine it
+``ncclTopoTuneModel``), without the tree algorithm and upstream's InfiniBand NIC-efficiency
+corrections; upstream's function reads the GPU and topology of the machine it
 runs on, this one a named GPU's generation and the mesh's node layout, so a plan for an H100
 cluster can be priced anywhere. The constants are upstream's
 (:func:`vescale._torch_compat.nccl_tuning`).
@@ -32,6 +33,7 @@ __all__ = ["NcclCostModel", "group_nodes", "nccl_links", "ring_s"]
 # Simple protocol across nodes: NCCL's per-step network overhead (us) and its multiplier
 _NET_OVERHEAD_US = 1.0
 _SIMPLE_NET_FACTOR = 3.0
+_LL128_EFFICIENCY = 120.0 / 128.0  # LL128's payload per line
 
 
 @functools.cache
@@ -52,13 +54,21 @@ def ring_s(kind: str, n: int, nodes: int, nbytes: float, generation: str) -> flo
     wire = wire_bytes(kind, n, nbytes)
     ring, hw = t["algo"].RING, t["hw"]
     best = math.inf
-    for proto in (t["proto"].LL, t["proto"].SIMPLE):
-        if proto == t["proto"].LL:
-            bus = min(t["ll_max_bw"][gen if nodes == 1 else 0][min(nodes - 1, 2)], bw * 0.5)
+    scale = min(nodes - 1, 2)  # NCCL's index: 1, 2, more nodes
+    protos = t["proto"]
+    for proto in (protos.LL, protos.LL128, protos.SIMPLE):
+        if proto == protos.LL:
+            bus = min(t["ll_max_bw"][gen if nodes == 1 else 0][scale], bw * 0.5)
+        elif proto == protos.LL128:
+            if nodes > 1:  # NCCL disables it over InfiniBand
+                continue
+            bus = min(
+                bw * _LL128_EFFICIENCY, t["channels"][gen] * t["ll128_channel_bw"][gen][scale]
+            )
         else:
             bus = bw
         net = 0.0 if nodes == 1 else _NET_OVERHEAD_US
-        if proto == t["proto"].SIMPLE:
+        if proto == protos.SIMPLE:
             net *= _SIMPLE_NET_FACTOR
         hop = max(t["hw_lat"][hw.NVLINK][ring][proto], net)
         lat_us = t["base_lat"][ring][proto] + (steps - inter) * hop

@@ -380,9 +380,6 @@ def parallelize(
             f"got {memory_budget!r}"
         )
     optimizer_states(optimizer)  # a known optimizer, before anything is traced
-    if alpha_beta is not None and cost is not None:
-        raise PlanError("vescale.parallelize: pass cost= or alpha_beta=, not both")
-    cost_model = cost_model_of(cost if alpha_beta is None else alpha_beta, mesh)
     batch = {
         i: batch_choices(f"inputs[{i}]", p, t, mesh)
         for i, (p, t) in enumerate(zip(inputs, example_inputs))
@@ -395,6 +392,9 @@ def parallelize(
         if outputs is None
         else [normalize_placements(f"outputs[{i}]", p, mesh) for i, p in enumerate(outputs)]
     )
+    if alpha_beta is not None and cost is not None:
+        raise PlanError("vescale.parallelize: pass cost= or alpha_beta=, not both")
+    cost_model = cost_model_of(cost if alpha_beta is None else alpha_beta, mesh)
     with _progress.forced(shown):
         with _progress.stage("capture") as stage:
             joint = capture_joint(model, example_inputs)
