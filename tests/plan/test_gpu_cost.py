@@ -67,7 +67,14 @@ def _attention_cases() -> list[tuple[str, Callable[[], tuple[Any, ...]], bool]]:
         return (aten._scaled_dot_product_flash_attention.default, *qkv(), 0.0, causal)
 
     def efficient(causal: bool) -> tuple[Any, ...]:
-        return (aten._scaled_dot_product_efficient_attention.default, *qkv(), None, True, 0.0, causal)
+        return (
+            aten._scaled_dot_product_efficient_attention.default,
+            *qkv(),
+            None,
+            True,
+            0.0,
+            causal,
+        )
 
     def cudnn(causal: bool) -> tuple[Any, ...]:
         return (aten._scaled_dot_product_cudnn_attention.default, *qkv(), None, True, 0.0, causal)
@@ -114,7 +121,9 @@ def test_matmul_and_convolution_flops_are_flop_counter_modes() -> None:
         assert want > 0 and node_flops(node) == want, op
     # CPU's fused attention (not in upstream's registry): the flash kernel's formula
     q = torch.randn(2, 4, 8, 16)
-    cpu, _ = _graph_node(aten._scaled_dot_product_flash_attention_for_cpu.default, q, q, q, 0.0, True)
+    cpu, _ = _graph_node(
+        aten._scaled_dot_product_flash_attention_for_cpu.default, q, q, q, 0.0, True
+    )
     assert node_flops(cpu) == 4 * 2 * 4 * 8 * 8 * 16 / 2
     relu, _ = _graph_node(aten.relu.default, q)
     assert node_flops(relu) == 0.0
