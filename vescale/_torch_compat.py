@@ -118,6 +118,7 @@ __all__ = [
     "make_boxed_func",
     "maybe_run_for_local_tensor",
     "mesh_scatter",
+    "nccl_tuning",
     "plain_aot_forward",
     "pytree",
     "redistribute_cost",
@@ -171,6 +172,31 @@ def bucket_merge_fns() -> dict[str, Any]:
         "all_reduce": merge_all_reduce_bucket,
         "all_gather": merge_all_gather_bucket,
         "reduce_scatter": merge_reduce_scatter_bucket,
+    }
+
+
+def nccl_tuning() -> dict[str, Any]:
+    """NCCL's tuning constants as Inductor's ``comm_analysis`` carries them (from NCCL's
+    ``tuning.cc`` and ``topo.h``): latencies in us ``base_lat[algo][proto]``,
+    ``hw_lat[hw][algo][proto]``, LL's bus-bandwidth cap ``ll_max_bw[generation][nodes index]``,
+    ring LL128's per channel ``ll128_channel_bw[generation][nodes index]``, ``channels`` per
+    generation,
+    the index enums ``hw``, ``algo``, ``proto``, ``generation`` and the bus bandwidths (GB/s)
+    by generation ``nvlink_bw``, ``inter_node_bw``. Imported on first use (Inductor)."""
+    from torch._inductor import comm_analysis as ca
+
+    return {
+        "base_lat": ca.baseLat,
+        "hw_lat": ca.hwLat,
+        "ll_max_bw": ca.llMaxBws,
+        "ll128_channel_bw": ca.perChMaxRingLL128Bws,
+        "channels": ca._GPU_NCHANNELS,
+        "hw": ca.NCCL_HW,
+        "algo": ca.NCCL_ALGO,
+        "proto": ca.NCCL_PROTO,
+        "generation": ca.NVIDIA_GPU_TYPE,
+        "nvlink_bw": ca._GPU_NVLINK_BW,
+        "inter_node_bw": ca._GPU_INTER_NODE_BW,
     }
 
 

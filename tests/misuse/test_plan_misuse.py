@@ -153,7 +153,7 @@ def test_wrong_batch_after_the_first_call_is_refused(pool2):
 
 def test_wrong_dtype_is_refused():
     mesh = vescale.DeviceMesh("meta", torch.arange(2), mesh_dim_names=("tp",))
-    model = _parallelize({}, mesh=mesh)
+    model = _parallelize({}, mesh=mesh, cost="h100")  # a meta mesh is priced by name
     with pytest.raises(PlanError, match=r"input 0 \(x\) has shape \(4, 8\) torch.float64"):
         model(torch.randn(4, 8, dtype=torch.float64))
 

@@ -1,7 +1,8 @@
 """One cost model for the plan path's solver, ``schedule.json`` and the benchmarks.
 
-Compute (roofline, per op): ``op_s + max(flops / flops_rate, bytes * gamma)``: the FLOPs of
-matrix products and attention (:func:`op_flops`) at the calibrated matmul rate, or the
+Compute (roofline, per op): ``op_s + max(flops / rate(dtype), bytes * gamma)``: the FLOPs
+of matrix products, convolutions and attention (:func:`vescale.cost.flops.node_flops`) at
+the matmul rate of the op's dtype, or the
 bytes the op reads and writes at the calibrated memory rate, whichever is slower, plus a
 per-op launch overhead. ``flops_rate=inf`` prices every op by its bytes.
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vescale.cost.flops import node_flops
 from vescale.ddp.bucketing import joins
 
 __all__ = [
@@ -37,7 +39,8 @@ __all__ = [
     "bucket_sizes",
     "default_cost_model",
     "is_free",
-    "op_flops",
+    "node_dtype",
+    "node_flops",
     "quantize",
     "tensor_args",
     "wire_bytes",
@@ -103,7 +106,9 @@ class CostModel:
     ``kinds``: ``(kind, factor)``: a kind's seconds per wire byte as a multiple of the
     all-reduce's ``beta``, measured at a bucket's size (the backend's implementation: gloo's
     reduce-scatter and all-gather of 32 MiB cost 3-4x an all-reduce per wire byte on a
-    2-core machine, not what their ring wire says); 1 for a kind not listed."""
+    2-core machine, not what their ring wire says); 1 for a kind not listed;
+    ``dtype_rates``: ``(str(dtype), FLOP/s)`` of matrix products in that dtype (a GPU's
+    tensor cores), ``flops_rate`` for a dtype not listed."""
 
     alpha: tuple[float, ...]
     beta: tuple[float, ...]
@@ -112,6 +117,7 @@ class CostModel:
     op_s: float = 0.0
     groups: tuple[tuple[tuple[int, ...], float, float], ...] = field(default=())
     kinds: tuple[tuple[str, float], ...] = field(default=())
+    dtype_rates: tuple[tuple[str, float], ...] = field(default=())
 
     def comm_s(self, kind: str, dims: Sequence[int], n: int, nbytes: float) -> float:
         """Seconds of one collective over the group of ``dims`` (``n`` ranks)."""
@@ -145,18 +151,21 @@ class CostModel:
             self.time(s) - self.latency(s) for s in steps
         )
 
-    def compute_s(self, flops: float, nbytes: float) -> float:
-        """Seconds of one op doing ``flops`` and moving ``nbytes`` (roofline + overhead)."""
-        return self.op_s + max(flops / self.flops_rate, nbytes * self.gamma)
+    def rate(self, dtype: torch.dtype | None) -> float:
+        """FLOP/s of matrix products in ``dtype`` (``dtype_rates``; else ``flops_rate``)."""
+        return dict(self.dtype_rates).get(str(dtype), self.flops_rate)
 
-    def op_time(
-        self, target: object, shapes: Sequence[Sequence[int]], out_numel: int, nbytes: float
-    ) -> float:
-        """Seconds of one op (:meth:`compute_s` of :func:`op_flops`); views and ``getitem``
-        move no data and launch nothing: 0."""
-        if is_free(target):
+    def compute_s(self, flops: float, nbytes: float, dtype: torch.dtype | None = None) -> float:
+        """Seconds of one op doing ``flops`` in ``dtype`` and moving ``nbytes`` (roofline +
+        overhead)."""
+        return self.op_s + max(flops / self.rate(dtype), nbytes * self.gamma)
+
+    def op_time(self, node: torch.fx.Node, nbytes: float) -> float:
+        """Seconds of one op (:meth:`compute_s` of :func:`vescale.cost.flops.node_flops` in
+        its inputs' dtype); views and ``getitem`` move no data and launch nothing: 0."""
+        if is_free(node.target):
             return 0.0
-        return self.compute_s(op_flops(target, shapes, out_numel), nbytes)
+        return self.compute_s(node_flops(node), nbytes, node_dtype(node))
 
 
 def bucket_sizes(sizes: Sequence[int], cap_bytes: float) -> list[int]:
@@ -178,22 +187,7 @@ def default_cost_model(ndim: int) -> CostModel:
     )
 
 
-_aten = torch.ops.aten
-_FREE = {operator.getitem, _aten._unsafe_view.default}
-_MATMUL = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
-# forward: QK^T and PV, 4 B H L S E FLOPs (query first); backward: twice that (grad first)
-_ATTENTION = {
-    getattr(_aten, name).default: (factor, query)
-    for name, factor, query in (
-        ("_scaled_dot_product_flash_attention_for_cpu", 4, 0),
-        ("_scaled_dot_product_flash_attention", 4, 0),
-        ("_scaled_dot_product_efficient_attention", 4, 0),
-        ("_scaled_dot_product_flash_attention_for_cpu_backward", 8, 1),
-        ("_scaled_dot_product_flash_attention_backward", 8, 1),
-        ("_scaled_dot_product_efficient_attention_backward", 8, 1),
-    )
-    if hasattr(_aten, name)
-}
+_FREE = {operator.getitem, torch.ops.aten._unsafe_view.default}
 
 
 def tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -212,15 +206,7 @@ def is_free(target: object) -> bool:
     return bool(getattr(target, "is_view", False)) or target in _FREE
 
 
-def op_flops(target: object, shapes: Sequence[Sequence[int]], out_numel: int) -> float:
-    """FLOPs of a matrix product or attention op from its tensor inputs' ``shapes`` (in
-    argument order) and its (first) output's element count; 0 for every other op."""
-    if target in _MATMUL:
-        a = shapes[-2]  # mm/bmm: (a, b); addmm/baddbmm: (bias, a, b)
-        return 2.0 * out_numel * a[-1]
-    attention = _ATTENTION.get(target)  # type: ignore[call-overload]
-    if attention is not None:
-        factor, i = attention
-        q, k = shapes[i], shapes[i + 1]
-        return float(factor * math.prod(q) * k[-2])
-    return 0.0
+def node_dtype(node: torch.fx.Node) -> torch.dtype | None:
+    """The dtype an op computes in: its first tensor argument's."""
+    args = tensor_args(node)
+    return args[0].meta["val"].dtype if args else None

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from vescale.cost.calibration import calibrated
 from vescale.cost.model import CostModel, default_cost_model, tensor_args
@@ -69,17 +68,8 @@ def estimate_us(node: torch.fx.Node, model: CostModel | None = None) -> float:
         nbytes = node_bytes(node.all_input_nodes[0])
         return comm.comm_s(COLLECTIVE_KINDS[node.target], (d,), n, nbytes) * 1e6
     model = model or _compute_model()
-    inputs = tensor_args(node)
-    shapes = [_shape(a.meta["val"]) for a in inputs]
-    val = node.meta.get("val")
-    out = val[0] if isinstance(val, tuple | list) and val else val
-    out_numel = numel_hint(out) if isinstance(out, torch.Tensor) else 0
-    nbytes = sum(node_bytes(a) for a in inputs) + _out_bytes(val)
-    return model.op_time(node.target, shapes, out_numel, nbytes) * 1e6
-
-
-def _shape(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(int(optimization_hint(s)) for s in t.shape)
+    nbytes = sum(node_bytes(a) for a in tensor_args(node)) + _out_bytes(node.meta.get("val"))
+    return model.op_time(node, nbytes) * 1e6
 
 
 def _out_bytes(val: object) -> int:

@@ -33,7 +33,7 @@ from vescale.passes.options import BackendOptions
 from vescale.plan import consistency, replaced
 from vescale.plan.batch import Batch, batch_choices
 from vescale.plan.capture import capture_joint
-from vescale.plan.cost import AlphaBeta, calibrate
+from vescale.plan.cost import AlphaBeta, cost_model_of
 from vescale.plan.explain import Explanation, explain
 from vescale.plan.lower import run_program, to_placements
 from vescale.plan.memory import optimizer_states
@@ -350,6 +350,7 @@ def parallelize(
     outputs: Sequence[PlanValue] | None = None,
     solver: str = "global",
     alpha_beta: AlphaBeta | None = None,
+    cost: AlphaBeta | str | None = None,
     compile: bool = True,
     options: dict[str, Any] | None = None,
     progress: bool | None = None,
@@ -366,7 +367,10 @@ def parallelize(
     global tensors (or fake tensors) of their shapes; ``outputs`` those of the model outputs
     (default replicated). Every other tensor's placement is chosen by ``solver``: "global"
     (minimum total communication time over the joint forward+backward graph) or "greedy"
-    (op by op, as eager dispatch). ``alpha_beta`` overrides the calibrated cost model; when
+    (op by op, as eager dispatch). ``cost`` prices them: a GPU name ("h100", "a100",
+    "h200", "b200": :mod:`vescale.cost.gpus`), a :class:`vescale.cost.CostModel`, or ``None``:
+    on CUDA the detected GPU's, else calibrated on this machine; a meta or fake mesh needs
+    one (:class:`PlanError`). ``alpha_beta``: the same as a ``CostModel`` ``cost``. When
     compiled with bucketing on, collectives the ``bucket`` pass merges pay one latency.
     ``model`` is changed in place: its parameters become DTensors in the chosen placements
     (materialized shard-only when it was built with ``vescale.deferred_init``), except when
@@ -414,6 +418,9 @@ def parallelize(
         if outputs is None
         else [normalize_placements(f"outputs[{i}]", p, mesh) for i, p in enumerate(outputs)]
     )
+    if alpha_beta is not None and cost is not None:
+        raise PlanError("vescale.parallelize: pass cost= or alpha_beta=, not both")
+    cost_model = cost_model_of(cost if alpha_beta is None else alpha_beta, mesh)
     with _progress.forced(shown):
         with _progress.stage("capture") as stage:
             joint = capture_joint(model, example_inputs)
@@ -425,7 +432,6 @@ def parallelize(
         }
         for i, (ph, p) in enumerate(zip(joint.placeholder_names[len(names) :], input_placements)):
             fixed[ph] = batch.get(i, p)
-        cost_model = alpha_beta if alpha_beta is not None else calibrate(mesh)
         buckets = compile and opts.bucket_cap_mb > 0
         program = place(
             joint,

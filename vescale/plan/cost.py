@@ -24,19 +24,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh as UpstreamMesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from vescale._torch_compat import DTensorSpec, StridedShard, TensorMeta, gen_transform_infos
-from vescale.cost.calibration import calibrate
+from vescale.cost.calibration import Unmeasurable, calibrate, default_cost, remember
+from vescale.cost.gpus import GPUS, gpu_cost_model
 from vescale.cost.model import (
     CommStep,
     CostModel,
     default_cost_model,
     is_free,
-    op_flops,
-    tensor_args,
+    node_dtype,
+    node_flops,
 )
 from vescale.dtensor.device_mesh import DeviceMesh
+from vescale.plan.validate import PlanError
 
 __all__ = [
     "AlphaBeta",
@@ -44,6 +47,7 @@ __all__ = [
     "bucket_copy_s",
     "bucketed_steps",
     "calibrate",
+    "cost_model_of",
     "default_alpha_beta",
     "local_bytes",
     "redistribution_steps",
@@ -69,6 +73,35 @@ def tensor_bytes(t: torch.Tensor, placements: Placements, mesh: Any) -> int:
 
 def default_alpha_beta(ndim: int) -> AlphaBeta:
     return default_cost_model(ndim)
+
+
+def cost_model_of(cost: CostModel | str | None, mesh: UpstreamMesh) -> CostModel:
+    """The cost model ``vescale.parallelize(cost=...)`` prices with: a :class:`CostModel`
+    as given; a GPU name (:data:`vescale.cost.gpus.GPUS`) that GPU's model of ``mesh``;
+    ``None`` the machine's (:func:`vescale.cost.calibration.default_cost`: a meta or fake
+    mesh, which nothing measures, is a :class:`PlanError` naming ``cost=``). Every rank
+    reaches the same outcome."""
+    if isinstance(cost, CostModel):
+        model = cost
+    elif isinstance(cost, str):
+        if cost.lower() not in GPUS:
+            raise PlanError(
+                f"vescale.parallelize: cost={cost!r} is no known GPU; pass one of "
+                f"{sorted(GPUS)} or a vescale.cost.CostModel"
+            )
+        model = gpu_cost_model(cost, mesh)
+    elif cost is None:
+        try:
+            return default_cost(mesh)
+        except Unmeasurable as e:
+            raise PlanError(str(e)) from None
+    else:
+        raise PlanError(
+            "vescale.parallelize: cost must be a GPU name "
+            f"({sorted(GPUS)}), a vescale.cost.CostModel or None, got {type(cost).__name__}"
+        )
+    remember(mesh, model)
+    return model
 
 
 def _is_shard(p: Placement) -> bool:
@@ -280,16 +313,13 @@ def strategy_compute_s(
 ) -> float:
     """Seconds of ``node`` on one rank under a strategy whose (first) output has
     ``out_placements`` and whose local inputs and outputs hold ``held_bytes``: its FLOPs
-    (global, :func:`vescale.cost.model.op_flops`) divided over the mesh dims on which the
+    (global, :func:`vescale.cost.flops.node_flops`) divided over the mesh dims on which the
     output is sharded or partial (each rank does that share of the products), or the bytes,
     whichever is slower at the model's rates, plus its per-op overhead; views: 0."""
     if is_free(node.target):
         return 0.0
-    shapes = [tuple(a.meta["val"].shape) for a in tensor_args(node)]
-    val = node.meta.get("val")
-    out = val[0] if isinstance(val, tuple | list) else val
-    flops = op_flops(node.target, shapes, out.numel()) if isinstance(out, torch.Tensor) else 0.0
+    flops = node_flops(node)
     split = math.prod(
         n for p, n in zip(out_placements, mesh_shape) if _is_shard(p) or isinstance(p, Partial)
     )
-    return model.compute_s(flops / split, held_bytes)
+    return model.compute_s(flops / split, held_bytes, node_dtype(node))
