@@ -371,3 +371,28 @@ def test_construction_broadcasts_rank_zero_weights(pool2):
     torch.manual_seed(0)
     torch.testing.assert_close(w0, nn.Linear(3, 2).weight.detach())
     assert torch.equal(w0, w1)
+
+
+def _steady_step():
+    """Three steps of plain DDP (dp=2, cap 128 B: three buckets); the third's host reads and
+    collectives, the fourth's profiler ranges."""
+    from tests.harness.host_sync import count_host_syncs
+
+    mesh = vescale.init_device_mesh("cpu", (2,))
+    ddp = DistributedDataParallel(_Mlp(), dp_mesh=mesh, bucket_cap_mb=_CAP_TWO)
+    x, t = _batch()
+    for _ in range(2):
+        ddp(x, t).backward()
+    with count_host_syncs() as syncs, count_collectives() as counted:
+        ddp(x, t).backward()
+    with torch.profiler.profile() as prof:
+        ddp(x, t).backward()
+    ranges = sorted(e.name for e in prof.events() if e.name.startswith("vescale.ddp::"))
+    return syncs.calls, dict(counted), ranges
+
+
+def test_steady_step_has_no_host_read_and_one_range_per_bucket(pool2):
+    for calls, counted, ranges in pool2.run(_steady_step):
+        assert calls == [], calls
+        assert counted == {"all_reduce": 3}, counted
+        assert ranges == ["vescale.ddp::bucket0", "vescale.ddp::bucket1", "vescale.ddp::bucket2"]
