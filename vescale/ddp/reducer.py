@@ -1,8 +1,9 @@
 """Eager gradient reduction for ``DistributedDataParallel``: bucketed, overlapped with backward.
 
-Buckets are fixed at construction, the same on every rank whatever a backward computes:
-parameters in reverse registration order (the order backward usually reaches them), grouped
-by what their gradient is all-reduced over, then cut by the one bucket rule
+Buckets are fixed at the end of the first synced backward, the same on every rank whatever
+a later backward computes (the first one's reductions are agreed by one object all-gather;
+its buckets are issued at its end): parameters in reverse registration order, grouped by what
+their gradient is all-reduced over, then cut by the one bucket rule
 (:mod:`vescale.ddp.bucketing`):
 
 * a DTensor parameter: the mesh dims where it is ``Replicate`` (its gradient arrives
