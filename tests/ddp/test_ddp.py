@@ -13,6 +13,7 @@ from torch import nn
 import vescale
 from tests.dtensor.reference import mesh_of
 from tests.harness.collectives import count_collectives
+from tests.harness.misuse import error_everywhere
 from vescale import Replicate, Shard
 from vescale.backend import PASSES_OFF
 from vescale.ddp import DistributedDataParallel
@@ -240,6 +241,8 @@ def _bucket_sizes(cases):
 
 # fc2.bias (3,), fc2.weight (3, 8), fc1.bias (8,), fc1.weight (8, 4) float32: 12 + 96 + 32 + 128
 _TOTAL = 268
+# eager buckets also carry two float32 flags per parameter (no gradient here, base-16 rank)
+_EAGER = _TOTAL + 4 * 2 * 4
 _CAP_TWO = 128 / 2**20  # MiB: fits fc2.bias + fc2.weight (108 B), then fc1.bias alone, fc1.weight
 
 
@@ -265,7 +268,131 @@ def test_compiled_ddp_buckets_under_its_own_cap_as_eager(pool2):
             "compiled, DDP default, backend 0": (4, _TOTAL),
             "compiled, DDP 25, backend 0": (1, _TOTAL),
             "compiled, DDP 128 B": (3, _TOTAL),
-            "eager, DDP 0": (4, _TOTAL),
-            "eager, DDP default": (1, _TOTAL),
-            "eager, DDP 128 B": (3, _TOTAL),
+            "eager, DDP 0": (4, _EAGER),
+            "eager, DDP default": (1, _EAGER),
+            "eager, DDP 128 B": (3, _EAGER),
         }, counts
+
+
+# ---- rank-dependent control flow, broadcast at construction, torch's signature ----------
+
+
+class _Branchy(nn.Module):
+    def __init__(self, wide: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+        self.b1 = nn.Linear(4, 3)
+        self.b2 = nn.Linear(4, 5 if wide else 3)
+
+    def forward(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        return (self.b1(h) if rank == 0 else self.b2(h)).pow(2).mean()
+
+
+def _branch_steps(wide: bool) -> None:
+    mesh = vescale.init_device_mesh("cpu", (2,))
+    ddp = DistributedDataParallel(_Branchy(wide), device_mesh=mesh)
+    rank = mesh.get_coordinate()[0]
+    for _ in range(2):
+        ddp(torch.randn(2, 4), rank).backward()
+
+
+def test_rank_dependent_branch_same_shape_is_an_error_everywhere(pool2):
+    """Rank 0 uses b1, rank 1 b2 of the same shape (b1.grad silently took rank 1's b2)."""
+    err = error_everywhere(pool2, _branch_steps, False)
+    assert err.kind == "UnusedParameterError", err
+    assert "'b1.weight' on rank 1" in err.message and "'b2.weight' on rank 0" in err.message
+    assert "find_unused_parameters=True" in err.message, err.message
+
+
+def test_rank_dependent_branch_other_shape_is_an_error_everywhere(pool2):
+    """Different shapes (a gloo abort: "Received data size doesn't match")."""
+    err = error_everywhere(pool2, _branch_steps, True)
+    assert "'b2.bias' on rank 0" in err.message and "'b1.bias' on rank 1" in err.message, err
+
+
+def _unused_found(wide: bool):
+    mesh = vescale.init_device_mesh("cpu", (2,))
+    rank = mesh.get_coordinate()[0]
+    ddp = DistributedDataParallel(
+        _Branchy(wide), [0], device_mesh=mesh, find_unused_parameters=True
+    )
+    xs = torch.randn(2, 2, 4)
+    ddp(xs[rank], rank).backward()
+    ref = _Branchy(wide)  # one device: the average of the two ranks' gradients
+    for r in range(2):
+        (ref(xs[r], r) / 2).backward()
+    return {n: p.grad for n, p in ddp.module.named_parameters()}, {
+        n: p.grad for n, p in ref.named_parameters()
+    }
+
+
+def test_find_unused_parameters_equals_one_device(pool2):
+    for got, want in pool2.run(_unused_found, True):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], msg=name)
+
+
+def _accumulated():
+    mesh = vescale.init_device_mesh("cpu", (2,))
+    rank = mesh.get_coordinate()[0]
+    ddp = DistributedDataParallel(_Mlp(), dp_mesh=mesh)
+    x, t = _batch()
+    xs, ts = x.chunk(2), t.chunk(2)
+    halves = [(xs[rank][:1], ts[rank][:1]), (xs[rank][1:], ts[rank][1:])]
+    with ddp.no_sync():
+        ddp(*halves[0]).backward()
+    ddp(*halves[1]).backward()
+    ref = _Mlp()
+    for r in range(2):
+        for sl in (slice(0, 1), slice(1, None)):
+            (ref(xs[r][sl], ts[r][sl]) / 2).backward()
+    return {n: p.grad for n, p in ddp.module.named_parameters()}, {
+        n: p.grad for n, p in ref.named_parameters()
+    }
+
+
+def test_no_sync_accumulation_equals_one_device(pool2):
+    for got, want in pool2.run(_accumulated):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], msg=name)
+
+
+def _broadcast_at_construction():
+    torch.manual_seed(torch.distributed.get_rank())  # different weights per rank
+    model = nn.Linear(3, 2)
+    DistributedDataParallel(model, [0])  # torch's call on CPU: the default group
+    return model.weight.detach().clone()
+
+
+def test_construction_broadcasts_rank_zero_weights(pool2):
+    w0, w1 = pool2.run(_broadcast_at_construction)
+    torch.manual_seed(0)
+    torch.testing.assert_close(w0, nn.Linear(3, 2).weight.detach())
+    assert torch.equal(w0, w1)
+
+
+def _steady_step():
+    """Three steps of plain DDP (dp=2, cap 128 B: three buckets); the third's host reads and
+    collectives, the fourth's profiler ranges."""
+    from tests.harness.host_sync import count_host_syncs
+
+    mesh = vescale.init_device_mesh("cpu", (2,))
+    ddp = DistributedDataParallel(_Mlp(), dp_mesh=mesh, bucket_cap_mb=_CAP_TWO)
+    x, t = _batch()
+    for _ in range(2):
+        ddp(x, t).backward()
+    with count_host_syncs() as syncs, count_collectives() as counted:
+        ddp(x, t).backward()
+    with torch.profiler.profile() as prof:
+        ddp(x, t).backward()
+    ranges = sorted(e.name for e in prof.events() if e.name.startswith("vescale.ddp::"))
+    return syncs.calls, dict(counted), ranges
+
+
+def test_steady_step_has_no_host_read_and_one_range_per_bucket(pool2):
+    for calls, counted, ranges in pool2.run(_steady_step):
+        assert calls == [], calls
+        assert counted == {"all_reduce": 3}, counted
+        assert ranges == ["vescale.ddp::bucket0", "vescale.ddp::bucket1", "vescale.ddp::bucket2"]

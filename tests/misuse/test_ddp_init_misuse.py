@@ -24,10 +24,6 @@ class _Net(nn.Module):
         return self.out(self.fc(x))
 
 
-def _plain_without_dp_mesh() -> None:
-    DistributedDataParallel(nn.Linear(4, 4))
-
-
 def _mixed() -> None:
     mesh = vescale.init_device_mesh("cpu", (2,))
     lin = nn.Linear(4, 4)
@@ -38,13 +34,6 @@ def _mixed() -> None:
 def _two_dim_dp_mesh() -> None:
     mesh = vescale.init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     DistributedDataParallel(nn.Linear(4, 4), dp_mesh=mesh)
-
-
-def test_plain_parameters_without_a_group_are_named_at_construction(pool2):
-    """Plain parameters and no ``dp_mesh`` (their gradients were silently never reduced)."""
-    err = error_everywhere(pool2, _plain_without_dp_mesh)
-    assert err.kind == "ValueError", err
-    assert "'weight', 'bias'" in err.message and "dp_mesh=" in err.message, err.message
 
 
 def test_mixed_dtensor_and_plain_parameters_name_the_plain_ones(pool2):

@@ -25,19 +25,21 @@ is no group to reduce them over), and so is a module mixing DTensor and plain pa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
 from vescale._node_meta import set_bucket_cap_mb
-from vescale._torch_compat import get_proxy_mode
+from vescale._torch_compat import get_proxy_mode, pytree
 from vescale.ddp.bucketing import DEFAULT_BUCKET_CAP_MB
 from vescale.ddp.reducer import Reducer
+from vescale.dtensor.device_mesh import DeviceMesh as _Mesh
 from vescale.dtensor.dtensor import redistribute_dtensor
 from vescale.dtensor.flat_groups import flattened_mesh
 from vescale.dtensor.inflight import wait_local
@@ -81,41 +83,179 @@ def _check_params(module: nn.Module, dp_mesh: DeviceMesh | None) -> None:
     )
 
 
+def _check_devices(module: nn.Module, device_ids: Any, output_device: Any) -> None:
+    """torch DDP's ``device_ids`` / ``output_device``: ignored for a CPU module; for an
+    accelerator module, the one device its parameters are on."""
+    if device_ids is not None and (
+        isinstance(device_ids, (str, bytes)) or not isinstance(device_ids, Sequence)
+    ):
+        raise TypeError(
+            f"DistributedDataParallel: device_ids must be a list of device indices or devices "
+            f"(e.g. [local_rank]), got {device_ids!r}; bucket_cap_mb is a keyword argument"
+        )
+    devices = {_local_device(p) for p in module.parameters()}
+    if all(d.type == "cpu" for d in devices):
+        return
+    asked = [*(device_ids or []), *([] if output_device is None else [output_device])]
+    if len(devices) > 1 or (device_ids is not None and len(device_ids) != 1):
+        raise ValueError(
+            f"DistributedDataParallel: device_ids={device_ids!r} must name the one device of "
+            f"the module's parameters, which are on {sorted(map(str, devices))}"
+        )
+    (device,) = devices
+    for d in asked:
+        want = d if isinstance(d, torch.device) else torch.device(device.type, d)
+        if want != device:
+            raise ValueError(
+                f"DistributedDataParallel: device_ids={device_ids!r}, output_device="
+                f"{output_device!r} must be the module's device {device}, got {want}"
+            )
+
+
+def _local_device(t: torch.Tensor) -> torch.device:
+    return t._local_tensor.device if isinstance(t, _UpstreamDTensor) else t.device
+
+
+def _data_parallel_mesh(
+    module: nn.Module, device_mesh: Any, dp_mesh: Any, process_group: Any
+) -> DeviceMesh | None:
+    """The 1-D data-parallel mesh of plain parameters: ``device_mesh`` (torch's keyword),
+    ``dp_mesh`` (veScale's) or a mesh over ``process_group``; for a module of plain parameters
+    only, the default group's (as torch DDP)."""
+    given = [m for m in (device_mesh, dp_mesh, process_group) if m is not None]
+    if len(given) > 1:
+        raise ValueError(
+            "DistributedDataParallel: pass one of device_mesh, dp_mesh (veScale's name for "
+            "it) and process_group"
+        )
+    params = list(module.parameters())
+    device = _local_device(params[0]).type if params else "cpu"
+    if process_group is not None:
+        return _Mesh.from_group(process_group, device)
+    if given:
+        return given[0]  # type: ignore[no-any-return]
+    plain = bool(params) and not any(isinstance(p, _UpstreamDTensor) for p in params)
+    if plain and dist.is_initialized():
+        return _Mesh.from_group(dist.group.WORLD, device)
+    return None
+
+
+def _broadcast_from_first(tensors: list[torch.Tensor], mesh: DeviceMesh) -> None:
+    """Copy the first rank of ``mesh``'s values into ``tensors`` (plain ones), one flattened
+    broadcast per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            dist.broadcast(flat, group=mesh.get_group(0), group_src=0)
+            for t, piece in zip(group, flat.split([t.numel() for t in group])):
+                t.copy_(piece.view_as(t))
+
+
 class DistributedDataParallel(nn.Module):
     """Wrap ``module`` so that every gradient arrives reduced over data parallelism: a DTensor
-    parameter's in its placements, a plain parameter's averaged over ``dp_mesh`` (see the
-    module doc). ``bucket_cap_mb``: bucket size in MiB, eager and compiled (``None``: 25
-    eagerly, the backend's option compiled). ``module`` stays reachable as ``.module``; its
-    parameters are this wrapper's parameters (``ddp.parameters()`` feeds the optimizer)."""
+    parameter's in its placements, a plain parameter's averaged over the data-parallel mesh
+    (see the module doc). torch DDP's arguments, where they mean the same:
+
+    * ``device_ids`` / ``output_device``: ignored for a CPU module, else the module's device;
+    * ``device_mesh`` (veScale's ``dp_mesh``; or ``process_group``): the 1-D data-parallel
+      mesh of plain parameters (default for a module of plain parameters: the default group);
+    * ``init_sync``: broadcast the first rank's plain parameters and buffers at construction;
+      ``broadcast_buffers``: also broadcast the plain buffers at each eager forward;
+    * ``bucket_cap_mb``: bucket size in MiB, eager and compiled (``None``: 25 eagerly, the
+      backend's option compiled);
+    * ``find_unused_parameters``: a parameter that got no gradient on a rank is reduced as zero
+      there; without it such a parameter raises :class:`~vescale.ddp.reducer.
+      UnusedParameterError` at the next forward on every rank (eager only).
+
+    :meth:`no_sync` accumulates gradients locally. ``module`` stays reachable as ``.module``;
+    its parameters are this wrapper's parameters (``ddp.parameters()`` feeds the optimizer)."""
 
     def __init__(
         self,
         module: nn.Module,
-        bucket_cap_mb: float | None = None,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
         *,
+        broadcast_buffers: bool = True,
+        init_sync: bool = True,
+        process_group: Any = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        device_mesh: DeviceMesh | None = None,
         dp_mesh: DeviceMesh | None = None,
     ) -> None:
         super().__init__()
+        if isinstance(device_ids, DeviceMesh):  # veScale legacy: DDP(module, mesh or group)
+            device_ids, dp_mesh = None, device_ids
+        elif isinstance(device_ids, dist.ProcessGroup):
+            device_ids, process_group = None, device_ids
+        _check_devices(module, device_ids, output_device)
+        dp_mesh = _data_parallel_mesh(module, device_mesh, dp_mesh, process_group)
         _check_params(module, dp_mesh)
         self.module = module
         self.bucket_cap_mb = bucket_cap_mb
         self.dp_mesh = dp_mesh
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        self._sync_grads = True
+        self._buffers_synced = (
+            [b for b in module.buffers() if not isinstance(b, _UpstreamDTensor)]
+            if dp_mesh is not None
+            else []
+        )
         self._synced = [
             name
             for name, p in module.named_parameters()
             if p.requires_grad and (isinstance(p, _UpstreamDTensor) or dp_mesh is not None)
         ]
-        params: list[Any] = [module.get_parameter(n) for n in self._synced]
-        for p in params:
+        named: list[tuple[str, Any]] = [(n, module.get_parameter(n)) for n in self._synced]
+        for _, p in named:
             if isinstance(p, _UpstreamDTensor):
                 replicated = [i for i, q in enumerate(p.placements) if q.is_replicate()]
                 flattened_mesh(p.device_mesh, replicated)
+        if init_sync and dp_mesh is not None:
+            plain = [p for p in module.parameters() if not isinstance(p, _UpstreamDTensor)]
+            _broadcast_from_first(plain + self._buffers_synced, dp_mesh)
         cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
-        self._reducer = Reducer(params, cap, dp_mesh)
+        self._reducer = Reducer(named, cap, dp_mesh, find_unused_parameters)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradients of the forwards inside accumulate locally, unreduced; the first forward
+        after the block (and its backward) reduces the accumulated sums, as torch DDP."""
+        saved, self._sync_grads = self._sync_grads, False
+        try:
+            yield
+        finally:
+            self._sync_grads = saved
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.compiler.is_compiling():
-            return self.module(*args, **kwargs)  # the reducer's hooks reduce the gradients
+        if torch.compiler.is_compiling():
+            return self._compiled_forward(args, kwargs)
+        self._reducer.check()
+        self._reducer.active, self._reducer.sync = True, self._sync_grads
+        if self.broadcast_buffers and self._buffers_synced:
+            _broadcast_from_first(self._buffers_synced, self.dp_mesh)  # type: ignore[arg-type]
+        out = self.module(*args, **kwargs)  # the reducer's hooks reduce the gradients
+        if self._sync_grads and torch.is_grad_enabled():
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._arm)
+        return out
+
+    def _arm(self, grad: torch.Tensor) -> None:
+        self._reducer.arm()  # a backward without any parameter's gradient still reduces
+
+    def _compiled_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.find_unused_parameters or not self._sync_grads:
+            raise NotImplementedError(
+                "DistributedDataParallel under torch.compile supports neither "
+                "find_unused_parameters=True nor no_sync(): run that model eagerly"
+            )
+        self._reducer.active = False  # the gradients arrive reduced by the traced backward
         synced = {
             name: grad_sync(self.module.get_parameter(name), self.dp_mesh, self.bucket_cap_mb)
             for name in self._synced
