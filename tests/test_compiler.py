@@ -333,7 +333,7 @@ def test_inductor_failure_runs_graph_as_captured(monkeypatch):
 
     real = _torch_compat.inductor_pieces
 
-    def failing_compile(gm, example_inputs):
+    def failing_compile(gm, example_inputs, **kwargs):
         raise RuntimeError("C++ compile error: frobnicate")
 
     monkeypatch.setattr("vescale.backend.inductor_pieces", lambda: (failing_compile, *real()[1:]))

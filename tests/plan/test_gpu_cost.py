@@ -142,11 +142,11 @@ def test_names_map_to_their_datasheet_rates_per_dtype() -> None:
     assert h100.rate(torch.float8_e4m3fn) == pytest.approx(1979e12 * MATMUL_EFFICIENCY)
     assert torch.get_float32_matmul_precision() == "highest"  # torch's default: no TF32
     assert h100.rate(torch.float32) == pytest.approx(67e12 * MATMUL_EFFICIENCY)
-    torch.set_float32_matmul_precision("high")
-    try:
+    # as after torch.set_float32_matmul_precision("high"), without setting it: a set changes
+    # torch's fp32-precision state, which keys Inductor's FX graph cache for later tests
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "get_float32_matmul_precision", lambda: "high")
         tf32 = gpu_cost_model("h100", mesh).rate(torch.float32)
-    finally:
-        torch.set_float32_matmul_precision("highest")
     assert tf32 == pytest.approx(494.5e12 * MATMUL_EFFICIENCY)
     assert gpu_cost_model("a100", mesh).rate(torch.bfloat16) == pytest.approx(312e12 * 0.7)
     assert gpu_cost_model("h200", mesh).gamma < h100.gamma  # HBM3e 4.8 vs HBM3 3.35 TB/s
