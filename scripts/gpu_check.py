@@ -36,16 +36,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT)]
 
 import gpt  # noqa: E402
 from launch import BACKENDS, default_device  # noqa: E402
 from train_demo import gpt_runs  # noqa: E402
 
 import vescale  # noqa: E402
+from tests.harness.host_sync import count_host_syncs  # noqa: E402
 from vescale import Shard  # noqa: E402
 from vescale.ddp import DistributedDataParallel  # noqa: E402
 
@@ -54,20 +54,6 @@ CFG = gpt.GPTConfig(vocab=64, seq=16, dim=32, heads=4, layers=1)
 
 class Skip(Exception):
     """A check that this device cannot run (the reason is printed)."""
-
-
-class HostReads(TorchFunctionMode):
-    """Counts reads of tensor values into Python (``.item()``, ``.tolist()``, ``bool()``...)."""
-
-    NAMES = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.count += getattr(func, "__name__", "") in self.NAMES
-        return func(*args, **(kwargs or {}))
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float) -> None:
@@ -129,18 +115,17 @@ def check_host_syncs(device: str) -> str:
     step(0)  # compiles, checks ranks once
     step(1)
     batches = [inputs(i) for i in (2, 3)]  # the data loader's work is not the step's
-    reads = HostReads()
     sync_mode = (
         contextlib.nullcontext() if device != "cuda" else _cuda_sync_debug("error")
     )  # raises on a host sync
-    with reads, sync_mode:
+    with count_host_syncs() as reads, sync_mode:
         for ids, targets in batches:
             loss = model(ids, targets)
             opt.zero_grad()
             loss.backward()
             opt.step()
-    if reads.count:
-        raise AssertionError(f"{reads.count} host reads in 2 compiled steps")
+    if reads.calls:
+        raise AssertionError(f"host reads in 2 compiled steps: {reads.calls}")
     return "0 host reads in 2 compiled DDP steps" + (
         ", none under set_sync_debug_mode('error')" if device == "cuda" else ""
     )

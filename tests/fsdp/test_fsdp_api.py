@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 import vescale
 from tests.harness.collectives import C10D_KINDS
+from tests.harness.host_sync import count_host_syncs
 from tests.harness.misuse import error_everywhere
 from vescale.fsdp import FSDPModule, flat_group, fully_shard
 
@@ -424,20 +425,6 @@ def test_dcp_full_state_dicts_equal_one_device(pool2):
 # ---- profiler ranges and host reads ----------------------------------------------------
 
 
-class _HostReads(TorchFunctionMode):
-    """Counts ``.item()``, ``.tolist()`` and Python scalar conversions of tensors."""
-
-    NAMES = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.count += getattr(func, "__name__", "") in self.NAMES
-        return func(*args, **(kwargs or {}))
-
-
 def _step_profile() -> tuple[Counter[str], int]:
     rank, world = _dp()
     mesh = vescale.init_device_mesh("cpu", (world,))
@@ -447,12 +434,11 @@ def _step_profile() -> tuple[Counter[str], int]:
     model(ids, targets).backward()  # warm-up: records the forward order
     opt.step()
     opt.zero_grad()
-    reads = _HostReads()
-    with count_collectives(KINDS) as counts, reads:
+    with count_collectives(KINDS) as counts, count_host_syncs() as reads:
         model(ids, targets).backward()
         opt.step()
         opt.zero_grad()
-    return counts, reads.count
+    return counts, len(reads.calls)
 
 
 def test_profiler_ranges_collectives_and_no_host_read_per_step(pool2):
