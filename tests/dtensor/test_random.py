@@ -157,6 +157,9 @@ def test_dtensor_random_ops_on_interleaved_shards(pool4):
     pool4.run(_check_interleaved_inits)
 
 
+# Inductor's first import in this process imports torch.utils.mkldnn, whose ScriptModules
+# use torch.jit.script_method: torch's own deprecation warnings, not raised by vescale code.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("backend", ["aot_eager", "vescale", "inductor"])
 def test_dropout_compiles_and_equals_eager(backend):
     """F.dropout on a vescale DTensor under torch.compile (each backend; the kernel probes and
