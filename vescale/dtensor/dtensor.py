@@ -131,25 +131,33 @@ def is_vescale_spec(specs: Iterable[Any]) -> bool:
     return False
 
 
-_rules = threading.local()
+class _ThreadFlag(threading.local):
+    """A per-thread boolean (``.on``, False in a new thread) set for a scope by ``scope``."""
+
+    on = False
+
+    @contextlib.contextmanager
+    def scope(self, on: bool) -> Iterator[None]:
+        prev, self.on = self.on, on
+        try:
+            yield
+        finally:
+            self.on = prev
+
+
+_rules = _ThreadFlag()
 
 
 def vescale_rules_active() -> bool:
     """Whether the sharding propagation running now is for an op with a vescale input, so
     vescale-only strategy rules apply (upstream's rules otherwise)."""
-    return bool(getattr(_rules, "on", False))
+    return _rules.on
 
 
-@contextlib.contextmanager
-def vescale_rules(on: bool = True) -> Iterator[None]:
+def vescale_rules(on: bool = True) -> contextlib.AbstractContextManager[None]:
     """Propagate with vescale's rules (``on``) or upstream's in this scope and thread; the
     dispatcher sets it per op, and direct callers of strategies (the plan path) use it."""
-    prev = getattr(_rules, "on", False)
-    _rules.on = on
-    try:
-        yield
-    finally:
-        _rules.on = prev
+    return _rules.scope(on)
 
 
 # ---- conversions (differentiable) ---------------------------------------------------
@@ -606,7 +614,7 @@ class DTensor(_UpstreamDTensor):
     def data_ptr(self) -> int:
         """The local shard's ``data_ptr()`` (for pointer-taking plug-in kernels); 0, as
         upstream's, while torch copies or pickles a DTensor (see ``__deepcopy__``)."""
-        if getattr(_copying, "on", False):
+        if _copying.on:
             return 0
         return wait_local(self._local_tensor).data_ptr()
 
@@ -614,13 +622,13 @@ class DTensor(_UpstreamDTensor):
         """torch's ``copy.deepcopy`` of a tensor subclass, which takes the wrapper-subclass
         path only for a ``data_ptr()`` of 0 (upstream's DTensor); the result is a
         ``vescale.DTensor`` (an ``nn.Parameter``'s stays a parameter)."""
-        with _as_wrapper():
+        with _copying.scope(True):
             return super().__deepcopy__(memo)  # type: ignore[no-any-return]
 
     def __reduce_ex__(self, proto: Any) -> Any:
         """Pickling (``torch.save``): torch's, on the wrapper-subclass path as for
         ``__deepcopy__``; the local shard, spec and mesh are pickled with it."""
-        with _as_wrapper():
+        with _copying.scope(True):
             return super().__reduce_ex__(proto)
 
     def __create_write_items__(self, fqn: str, object: Any) -> Any:
@@ -653,19 +661,9 @@ class DTensor(_UpstreamDTensor):
         return out  # type: ignore[return-value]
 
 
-_copying = threading.local()  # .on: DTensor.data_ptr() reads 0 (torch copying or pickling)
-
-
-@contextlib.contextmanager
-def _as_wrapper() -> Iterator[None]:
-    """``DTensor.data_ptr()`` is 0 in this scope and thread, so torch's copy and pickle code
-    treats vescale DTensors as the wrapper subclasses they are."""
-    prev = getattr(_copying, "on", False)
-    _copying.on = True
-    try:
-        yield
-    finally:
-        _copying.on = prev
+# .on: DTensor.data_ptr() reads 0 (torch copying or pickling), so torch's copy and pickle code
+# treats vescale DTensors as the wrapper subclasses they are
+_copying = _ThreadFlag()
 
 
 _upstream_wrap = OpDispatcher.wrap
