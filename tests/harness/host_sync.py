@@ -1,6 +1,6 @@
 """Count host reads of tensor values in a block: ``with count_host_syncs() as n: ...``.
 
-Counts calls of ``Tensor.item``, ``tolist``, ``numpy``, ``__bool__``, ``__int__``,
+Counts calls of ``Tensor.item``, ``tolist``, ``numpy``, ``cpu``, ``__bool__``, ``__int__``,
 ``__float__`` (on any tensor: on a CPU-only test every tensor stands for a device one; on an
 accelerator each is a device-to-host sync) and ``torch.cuda.synchronize``. ``n.calls``: the
 names counted, in order; ``len(n.calls)`` the count.
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__")
+READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__")
 
 
 @dataclass

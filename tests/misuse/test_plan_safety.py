@@ -3,18 +3,15 @@ hands the step's gradients over unscaled and without a host sync (issue 38 item 
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import vescale
+from tests.harness.host_sync import count_host_syncs
 from tests.harness.misuse import error_everywhere
-
-SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu")
 
 
 class Tiny(nn.Module):
@@ -39,28 +36,6 @@ def _batch() -> torch.Tensor:
     return torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
 
 
-@contextlib.contextmanager
-def counted_syncs() -> Iterator[list[str]]:
-    """Every call of a ``torch.Tensor`` method that reads a value to the host, by name."""
-    calls: list[str] = []
-    saved = {name: getattr(torch.Tensor, name) for name in SYNCS}
-
-    def counting(name: str):  # type: ignore[no-untyped-def]
-        def method(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-            calls.append(name)
-            return saved[name](self, *args, **kwargs)
-
-        return method
-
-    for name in SYNCS:
-        setattr(torch.Tensor, name, counting(name))
-    try:
-        yield calls
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
-
-
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
         k: (p.grad.full_tensor() if isinstance(p.grad, vescale.DTensor) else p.grad).clone()
@@ -82,9 +57,9 @@ def _step_without_host_sync(plan: dict) -> None:
     model(x).backward()  # the first step: its checks across ranks read to the host
     for _ in range(2):
         model.zero_grad(set_to_none=True)
-        with counted_syncs() as calls:
+        with count_host_syncs() as syncs:
             model(x).backward()
-        assert calls == [], calls
+        assert syncs.calls == [], syncs.calls
         for k, g in _grads(model).items():
             torch.testing.assert_close(g, want[k], rtol=1e-5, atol=1e-6, msg=k)
     model.zero_grad(set_to_none=True)
