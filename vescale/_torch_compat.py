@@ -23,6 +23,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed._functional_collectives import _are_we_tracing as are_we_tracing
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.device_mesh import _mesh_resources
+from torch.distributed.distributed_c10d import _get_default_store as default_store
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 from torch.distributed.tensor import _dispatch as upstream_dispatch_module
@@ -102,6 +103,7 @@ __all__ = [
     "compute_local_shape_and_global_offset",
     "compute_local_shape_at",
     "current_graph_task_keep_graph",
+    "default_store",
     "disable_current_modes",
     "expand_to_full_mesh_op_strategy",
     "export_tracing_state",
