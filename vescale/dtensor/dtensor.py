@@ -281,20 +281,35 @@ class _ToLocal(torch.autograd.Function):
 
 
 class _Redistribute(torch.autograd.Function):
+    """``dt`` as ``placements``, the collective run in ``op_dtype`` (the result's dtype); its
+    gradient's collective runs in ``grad_dtype`` and the gradient returns in ``dt``'s dtype."""
+
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, dt: _UpstreamDTensor, placements: tuple[Placement, ...], async_op: bool
+        ctx: Any,
+        dt: _UpstreamDTensor,
+        placements: tuple[Placement, ...],
+        async_op: bool,
+        op_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
     ) -> DTensor:
         src = dt._spec
         ctx.src_placements = src.placements
         ctx.async_op = async_op
+        ctx.dtypes = (grad_dtype, dt.dtype)
+        local = dt._local_tensor
+        if op_dtype != local.dtype:
+            local = local.to(op_dtype)
+            meta = src.tensor_meta
+            assert meta is not None
+            src = DTensorSpec(src.mesh, src.placements, tensor_meta=meta._replace(dtype=op_dtype))
         dst = DTensorSpec(src.mesh, placements, tensor_meta=src.tensor_meta)
-        local = redistribute_local_tensor(dt._local_tensor, src, dst, async_op=async_op)
-        if local is dt._local_tensor:
-            local = local.view_as(local)
+        out = redistribute_local_tensor(local, src, dst, async_op=async_op)
+        if out is dt._local_tensor:
+            out = out.view_as(out)
         if _RECORDING[0]:
-            record_redistribute(local, src.placements, placements)
-        return new_dtensor(local, dst, requires_grad=dt.requires_grad)
+            record_redistribute(out, src.placements, placements)
+        return new_dtensor(out, dst, requires_grad=dt.requires_grad)
 
     @staticmethod
     def backward(ctx: Any, grad: _UpstreamDTensor) -> tuple[Any, ...]:  # type: ignore[override]
@@ -303,7 +318,9 @@ class _Redistribute(torch.autograd.Function):
             Replicate() if s.is_partial() and not g.is_partial() else s
             for s, g in zip(ctx.src_placements, grad.placements)
         )
-        return _Redistribute.apply(grad, target, ctx.async_op), None, None
+        grad_dtype, input_dtype = ctx.dtypes
+        out = _Redistribute.apply(grad, target, ctx.async_op, grad_dtype, grad_dtype)
+        return (out if out.dtype == input_dtype else out.to(input_dtype)), None, None, None, None
 
 
 def distribute_tensor(
@@ -534,8 +551,17 @@ def redistribute_dtensor(
     device_mesh: Any = None,
     placements: Sequence[Placement] | None = None,
     async_op: bool = True,
+    *,
+    forward_dtype: torch.dtype | None = None,
+    backward_dtype: torch.dtype | None = None,
 ) -> DTensor:
-    """``dtensor`` laid out as ``placements`` (differentiable; any pair of placements)."""
+    """``dtensor`` laid out as ``placements`` (differentiable; any pair of placements).
+
+    ``async_op`` (veScale's positional default ``True``): the result may hold an in-flight
+    collective, waited at its first use. As upstream's: ``forward_dtype`` casts the local
+    tensor before the collective (the result has that dtype); ``backward_dtype`` is the dtype
+    of the gradient's collective (default: ``dtensor``'s dtype, not ``forward_dtype``), the
+    gradient always returned in ``dtensor``'s dtype."""
     if not isinstance(dtensor, _UpstreamDTensor):
         raise TypeError(f"redistribute: expected a DTensor, got {type(dtensor).__name__}")
     if placements is None:
@@ -551,7 +577,14 @@ def redistribute_dtensor(
     pl = normalize_placements(
         placements, mesh, dtensor.ndim, what="redistribute", shape=dtensor.shape
     )
-    return _Redistribute.apply(dtensor, spec_placements(pl), async_op)  # type: ignore[no-any-return]
+    input_dtype = dtensor.dtype
+    return _Redistribute.apply(  # type: ignore[no-any-return]
+        dtensor,
+        spec_placements(pl),
+        async_op,
+        forward_dtype or input_dtype,
+        backward_dtype or input_dtype,
+    )
 
 
 def full_tensor(
@@ -597,9 +630,19 @@ class DTensor(_UpstreamDTensor):
         device_mesh: DeviceMesh | None = None,
         placements: Sequence[Placement] | None = None,
         async_op: bool = True,
+        *,
+        forward_dtype: torch.dtype | None = None,
+        backward_dtype: torch.dtype | None = None,
     ) -> DTensor:
         """See :func:`vescale.redistribute_dtensor`."""
-        return redistribute_dtensor(self, device_mesh, placements, async_op=async_op)
+        return redistribute_dtensor(
+            self,
+            device_mesh,
+            placements,
+            async_op,
+            forward_dtype=forward_dtype,
+            backward_dtype=backward_dtype,
+        )
 
     def full_tensor(  # type: ignore[override]
         self, *, grad_placements: Sequence[Placement] | None = None
