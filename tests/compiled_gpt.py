@@ -77,7 +77,8 @@ def _run(name: str, dump_root: str) -> RankResult:
     records = json.loads((folder / "collectives.json").read_text())
     last = folder / records[-1]["graph"]
     trace = json.loads((last / "schedule.json").read_text())
-    lanes = {e["tid"] for e in trace["traceEvents"]}
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    lanes = {names[e["tid"]] for e in trace["traceEvents"] if e["ph"] == "X"}
     fingerprinted = (last / "graph.fingerprint.txt").exists()
     counts = _eager_unbucketed_counts() if name == "fx-passes-off" else {}
     return RankResult(out, records, lanes, fingerprinted, counts)

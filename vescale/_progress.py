@@ -10,11 +10,15 @@ when it starts and its elapsed time when it ends, on the same line unless anothe
 wrote in between (then ``vescale: <stage>: 12.3 s``). Only global rank 0 (or a process
 without ``torch.distributed``) writes. On by default; ``VESCALE_PROGRESS=0`` (a strict
 boolean, :func:`vescale._env.env_flag`) or ``parallelize(..., progress=False)`` turns it off.
+When the ``vescale`` logger is enabled for INFO (``TORCH_LOGS=vescale``, or the user's own
+logging setup), the lines go to the logger ``vescale._progress`` instead (a record when a
+stage starts and one when it ends), so they are not written twice.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import time
 from collections.abc import Iterator
@@ -24,12 +28,14 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from vescale._env import env_flag
+from vescale._logs import logger
 
 __all__ = ["ENV", "Stage", "enabled", "forced", "stage"]
 
 ENV = "VESCALE_PROGRESS"
 _forced: ContextVar[bool | None] = ContextVar("vescale_progress", default=None)
 _open: list[Stage] = []  # the stage whose line is written up to "..." (at most one)
+_log = logger(__name__)
 
 
 @dataclass
@@ -76,6 +82,10 @@ def stage(name: str, on: bool | None = None) -> Iterator[Stage]:
     if not ((enabled() if on is None else on) and _rank0()):
         yield current
         return
+    if logging.getLogger("vescale").isEnabledFor(logging.INFO):
+        with _logged(current):
+            yield current
+        return
     if _open:  # an enclosing stage's line ends here; it reports on a line of its own
         _write("\n")
         _open.clear()
@@ -94,3 +104,17 @@ def stage(name: str, on: bool | None = None) -> Iterator[Stage]:
             _open.clear()
         else:
             _write(f"vescale: {name}: {took}{detail}\n")
+
+
+@contextlib.contextmanager
+def _logged(current: Stage) -> Iterator[None]:
+    """:func:`stage` through the logger: a record at the start and one at the end."""
+    _log.info("%s ...", current.name)
+    start = time.perf_counter()
+    outcome = "failed after "
+    try:
+        yield
+        outcome = ""
+    finally:
+        detail = f" ({current.detail})" if current.detail else ""
+        _log.info("%s: %s%.1f s%s", current.name, outcome, time.perf_counter() - start, detail)

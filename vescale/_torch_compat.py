@@ -17,6 +17,7 @@ from torch._export.utils import _compiling_state_context as export_tracing_state
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._guards import TracingContext, tracing
 from torch._library.opaque_object import MemberType, register_opaque_type
+from torch._logging import trace_structured
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -129,6 +130,7 @@ __all__ = [
     "resolve_process_group",
     "return_and_correct_aliasing",
     "stable_topological_sort",
+    "trace_structured",
     "tracing",
     "tree_map",
     "upstream_dispatch_module",

@@ -28,7 +28,7 @@ from vescale import Partial, Replicate, Shard
 from vescale.backend import PIPELINE, vescale_backend
 from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR, inflight_inputs
 from vescale.fx.dump import graph_text
-from vescale.fx.timeline import timeline
+from vescale.fx.timeline import LANES, timeline
 from vescale.passes import BackendOptions, PassContext, annotate, bucket, eliminate, schedule
 from vescale.passes.annotate import verify_waits
 
@@ -179,7 +179,7 @@ def test_timeline_stalls_on_inflight_input():
         gm = _traced(fn, (1024,))
     events = {e["name"].split(" %")[0]: e for e in timeline(gm, "g")}
     before = events["issued before this graph"]
-    assert before["tid"] == "communication" and before["ts"] == 0
+    assert before["tid"] == LANES["communication"] and before["ts"] == 0
     assert events["wait"]["dur"] == before["dur"] > 0  # compute waits for all of it
 
 

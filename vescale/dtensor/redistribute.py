@@ -17,6 +17,9 @@ those dims: :func:`vescale.dtensor.flat_groups.flattened_mesh` creates upstream'
 mesh (``DeviceMesh._flatten``) on first use and upstream's planner merges the per-dim steps
 into one collective on it. One reduction in one order gives every rank the same bits (two
 sequential ones need not).
+
+In eager, each redistribution that communicates is a profiler range named as upstream's
+ranges are, ``vescale::redistribute S(0)->R`` (one placement per mesh dim, comma-separated).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from vescale._torch_compat import (
     DTensorSpec,
     StridedShard,
     TensorMeta,
+    are_we_tracing,
     compute_local_shape_and_global_offset,
     maybe_run_for_local_tensor,
     upstream_redistribute_local_tensor,
@@ -89,6 +93,21 @@ def redistribute_local_tensor(
         raise ValueError(f"redistribute: cannot move between meshes {src.mesh} and {dst.mesh}")
     if src.placements == dst.placements or moves_nothing(src, dst):
         return local
+    if are_we_tracing() or torch.compiler.is_compiling():
+        return _redistribute(local, src, dst, async_op)
+    with torch.profiler.record_function(range_name(src.placements, dst.placements)):
+        return _redistribute(local, src, dst, async_op)
+
+
+@functools.lru_cache(maxsize=1024)
+def range_name(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> str:
+    """The profiler range of ``src -> dst``: ``vescale::redistribute S(0),R->R,R``."""
+    return f"vescale::redistribute {','.join(map(str, src))}->{','.join(map(str, dst))}"
+
+
+def _redistribute(
+    local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, async_op: bool
+) -> torch.Tensor:
     if find_ragged(src.placements) is not None or find_ragged(dst.placements) is not None:
         return redistribute_ragged(
             local, src, dst, async_op=async_op, plain=redistribute_local_tensor

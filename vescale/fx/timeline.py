@@ -1,7 +1,9 @@
 """``schedule.json``: a graph's estimated timeline in Chrome trace format (open in Perfetto).
 
-Two lanes per graph: ``compute`` (nodes run one after another) and ``communication``
-(a collective starts when issued and the link is free). A ``wait_tensor`` stalls compute
+One process (``pid`` 1, named after the graph) with two threads: ``compute`` (``tid`` 1,
+nodes run one after another) and ``communication`` (``tid`` 2, a collective starts when
+issued and the link is free); metadata events name them, and each event's ``args`` hold the
+node, its estimate and, for a collective, its bytes, bucket and user source line. A ``wait_tensor`` stalls compute
 until its collective ends. Durations come from the cost model of :mod:`vescale.cost`, the
 one the plan path's solver uses: an op ``op_s + max(FLOPs / flops_rate, bytes * gamma)``
 (views free), a collective ``alpha + beta * wire`` of the mesh dim whose group it uses. The
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vescale._node_meta import get_bucket
 from vescale.cost.calibration import calibrated
 from vescale.cost.model import CostModel, default_cost_model, tensor_args
 from vescale.dtensor.device_mesh import known_meshes
@@ -32,9 +35,13 @@ from vescale.fx.collectives import (
     inflight_inputs,
     node_bytes,
     numel_hint,
+    user_source,
 )
 
-__all__ = ["estimate_us", "timeline", "write_schedule_json"]
+__all__ = ["LANES", "chrome_trace", "estimate_us", "timeline", "write_schedule_json"]
+
+LANES = {"compute": 1, "communication": 2}
+"""Thread id of each lane."""
 
 
 def _group(node: torch.fx.Node) -> tuple[CostModel, int, int]:
@@ -85,16 +92,17 @@ def timeline(gm: torch.fx.GraphModule, graph: str) -> list[dict[str, Any]]:
     compute = _compute_model()
     for node in inflight_inputs(gm):
         dur = (compute.alpha[0] + compute.beta[0] * node_bytes(node)) * 1e6
-        events.append(
-            _event(f"issued before this graph %{node.name}", comm_t, dur, graph, "communication")
-        )
+        name = f"issued before this graph %{node.name}"
+        events.append(_event(name, comm_t, dur, "communication", node, node_bytes(node)))
         comm_t = ends[node] = comm_t + dur
     for node in gm.graph.nodes:
         dur = estimate_us(node, compute)
+        nbytes = None
         if node.op == "call_function" and node.target in COLLECTIVE_KINDS:
             start = max(compute_t, comm_t)
             comm_t = ends[node] = start + dur
             lane, name = "communication", str(node.target).split(".")[1]
+            nbytes = node_bytes(node.all_input_nodes[0])
         elif node.target is WAIT_TENSOR:
             start, dur = compute_t, max(0.0, ends.get(node.args[0], 0.0) - compute_t)  # type: ignore[arg-type]
             compute_t += dur
@@ -105,21 +113,48 @@ def timeline(gm: torch.fx.GraphModule, graph: str) -> list[dict[str, Any]]:
             lane, name = "compute", str(node.target).removeprefix("aten.")
         else:
             continue
-        events.append(_event(f"{name} %{node.name}", start, dur, graph, lane))
+        events.append(_event(f"{name} %{node.name}", start, dur, lane, node, nbytes))
     return events
 
 
-def _event(name: str, start: float, dur: float, graph: str, lane: str) -> dict[str, Any]:
+def _event(
+    name: str, start: float, dur: float, lane: str, node: torch.fx.Node, nbytes: int | None
+) -> dict[str, Any]:
+    args: dict[str, Any] = {"node": node.name, "estimate_us": round(dur, 3)}
+    if nbytes is not None:
+        args["bytes"] = nbytes
+        args["bucket"] = get_bucket(node)
+    if source := user_source(node):
+        args["source"] = source
     return {
         "name": name,
         "ph": "X",
         "ts": round(start, 3),
         "dur": round(dur, 3),
-        "pid": graph,
-        "tid": lane,
+        "pid": 1,
+        "tid": LANES[lane],
+        "args": args,
+    }
+
+
+def chrome_trace(gm: torch.fx.GraphModule, graph: str) -> dict[str, Any]:
+    """``gm``'s estimated timeline as a Chrome trace object: metadata naming the process
+    (``graph``) and the lanes, then :func:`timeline`'s events; times in microseconds."""
+    meta: list[dict[str, Any]] = [
+        {"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": graph}}
+    ]
+    meta += [
+        {"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": lane}}
+        for lane, tid in LANES.items()
+    ]
+    return {
+        "traceEvents": meta + timeline(gm, graph),
+        "displayTimeUnit": "ms",
+        "otherData": {"vescale": "estimated schedule (static cost model)", "graph": graph},
     }
 
 
 def write_schedule_json(path: Path, gm: torch.fx.GraphModule, graph: str) -> None:
+    """:func:`chrome_trace` of ``gm`` written to ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"traceEvents": timeline(gm, graph)}, indent=0) + "\n")
+    path.write_text(json.dumps(chrome_trace(gm, graph), indent=0) + "\n")

@@ -1,4 +1,10 @@
-"""Runs graph passes in order, dumping the graph after each and timing each."""
+"""Runs graph passes in order, dumping the graph after each and timing each.
+
+Each graph's text after capture and after every pass, its collective table and its estimated
+schedule are also ``TORCH_TRACE`` artifacts (``vescale_<graph>_after_<pass>``,
+``vescale_<graph>_collectives``, ``vescale_<graph>_schedule``: :func:`vescale._logs.artifact`),
+and each pass logs its time at DEBUG (``TORCH_LOGS=+vescale``), each graph a summary at INFO.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +16,15 @@ from typing import Any
 
 import torch
 
+from vescale._logs import artifact, debug, info, logger
 from vescale.fx.collectives import Records
 from vescale.fx.dump import graph_text
+from vescale.fx.timeline import chrome_trace
 from vescale.passes.options import BackendOptions
 
 __all__ = ["Pass", "PassContext", "PassManager"]
+
+_log = logger(__name__)
 
 
 @dataclass
@@ -29,13 +39,14 @@ class PassContext:
     timings_ms: dict[str, float] = field(default_factory=dict)
 
     def dump(self, stage: str, gm: torch.fx.GraphModule) -> None:
+        """``gm``'s text after ``stage``: a trace artifact, and a file under ``dump_dir``."""
+        title = f"{self.graph_name} after {stage}"
+        artifact(f"vescale_{self.graph_name}_after_{stage}", lambda: graph_text(gm, title))
         if self.dump_dir is None:
             return
         folder = self.dump_dir / self.graph_name
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"graph.{stage}.txt").write_text(
-            graph_text(gm, f"{self.graph_name} after {stage}")
-        )
+        (folder / f"graph.{stage}.txt").write_text(graph_text(gm, title))
 
 
 Pass = Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule]
@@ -60,5 +71,17 @@ class PassManager:
             ctx.timings_ms[name] = (time.perf_counter() - t0) * 1e3
             ctx.reports["collectives"] = records.refresh(gm)
             ctx.dump(name, gm)
+            debug(_log, "%s: pass %s %.1f ms", ctx.graph_name, name, ctx.timings_ms[name])
         gm.recompile()  # passes read and write the graph only: its code once, at the end
+        table = ctx.reports["collectives"]
+        artifact(f"vescale_{ctx.graph_name}_collectives", lambda: table, "json")
+        schedule = f"vescale_{ctx.graph_name}_schedule"
+        artifact(schedule, lambda: chrome_trace(gm, ctx.graph_name), "json")
+        buckets = len({r["bucket"] for r in table if r.get("bucket") is not None})
+        total = sum(ctx.timings_ms.values())
+        info(
+            _log,
+            "%s after the passes (%.0f ms): collectives %d, buckets %d",
+            *(ctx.graph_name, total, len(table), buckets),
+        )
         return gm
