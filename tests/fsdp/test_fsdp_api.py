@@ -288,8 +288,11 @@ def _call_shapes() -> None:
     mesh = vescale.init_device_mesh("cpu", (world,))
     with pytest.warns(DeprecationWarning, match="pass mesh="):
         fully_shard(nn.Linear(4, 4), mesh)
-    with pytest.raises(NotImplementedError, match="reshard_after_forward as an int"):
-        fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=2)
+    for bad in (0, 3, world * 2):
+        with pytest.raises(ValueError, match=f"a factor of the shard world {world}; got {bad}"):
+            fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=bad)
+    with pytest.raises(TypeError, match=r"must be a bool, an int or None, got 2\.0"):
+        fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=2.0)
     model = fully_shard(nn.Linear(4, 4).double())  # mesh=None: every rank
     assert flat_group(model).mesh.size() == world
 
@@ -323,6 +326,49 @@ def test_hsdp_equals_one_device(pool4):
         # the blocks re-gathered (over the shard dim), one reduce-scatter and one
         # all-reduce (over the replicas) per module
         assert counts == {"all_gather": CFG.layers, "reduce_scatter": groups, "all_reduce": groups}
+
+
+# ---- reshard_after_forward as an int ---------------------------------------------------
+
+
+def _reshard_to_two(hsdp: bool) -> tuple[list[tuple[int, int]], int]:
+    """Blocks resharded to groups of 2 after forward: training equals one device; returns
+    the backward all-gathers (group size, elements each rank sends) and a block's buffer
+    size."""
+    rank, world = _dp()
+    shape = (2, world // 2) if hsdp else (world,)
+    mesh = vescale.init_device_mesh("cpu", shape)
+    ref = gpt.build(CFG).double()
+    model = gpt.build(CFG).double()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=2)
+    fully_shard(model, mesh=mesh)
+    _train_both(ref, model, 3, rank, world)
+    _assert_params_equal(ref, model)
+    _, _, ids, targets = _batch(0, rank, world)
+    loss = model(ids, targets)
+    block = flat_group(model.blocks[0])
+    assert block.full.untyped_storage().nbytes() == 0  # resharded after forward
+    gathers = []
+    real = torch.distributed.all_gather_single
+
+    def spy(out, inp, group=None, async_op=False):  # type: ignore[no-untyped-def]
+        gathers.append((torch.distributed.get_world_size(group), inp.numel()))
+        return real(out, inp, group=group, async_op=async_op)
+
+    torch.distributed.all_gather_single = spy
+    try:
+        loss.backward()
+    finally:
+        torch.distributed.all_gather_single = real
+    return gathers, block._full_numel
+
+
+@pytest.mark.parametrize("hsdp", [False, True])
+def test_reshard_after_forward_to_groups_of_two(pool4, hsdp):
+    for gathers, full in pool4.run(_reshard_to_two, hsdp):
+        # every block re-gathered over a group of 2, each rank sending half the buffer
+        assert gathers == [(2, full // 2)] * CFG.layers
 
 
 # ---- tied weights ----------------------------------------------------------------------

@@ -9,7 +9,7 @@ each call takes the parameters of ``module`` not already taken by an inner call,
   forward), swap the unsharded views in;
 * forward post-hook: swap the sharded parameters back; free the gathered buffer
   (``reshard_after_forward``, default ``True`` except for the root, whose buffer backward
-  needs first) and arm a hook on the outputs that re-gathers it when their gradient arrives
+  needs first; an int ``k`` keeps it sharded over groups of ``k`` ranks, as upstream's) and arm a hook on the outputs that re-gathers it when their gradient arrives
   and prefetches the module(s) before it;
 * backward: one reduce-scatter per module (``_Unshard.backward``), then the buffer is freed.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -84,15 +84,9 @@ def _default_mesh() -> Any:
 def _check_options(
     reshard_after_forward: Any, offload_policy: OffloadPolicy, mp: MixedPrecisionPolicy
 ) -> None:
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        if isinstance(reshard_after_forward, int):
-            raise NotImplementedError(
-                "fully_shard: reshard_after_forward as an int (reshard to a smaller world "
-                f"after forward, got {reshard_after_forward}) is not supported; pass True "
-                "or False"
-            )
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
         raise TypeError(
-            "fully_shard: reshard_after_forward must be a bool or None, got "
+            "fully_shard: reshard_after_forward must be a bool, an int or None, got "
             f"{reshard_after_forward!r}"
         )
     if type(offload_policy) is not OffloadPolicy:
@@ -101,6 +95,21 @@ def _check_options(
         )
     if mp.output_dtype is not None:
         raise ValueError("fully_shard: mp_policy.output_dtype is not supported; leave it None")
+
+
+def _reshard_world(reshard_after_forward: bool | int | None, world: int) -> bool | int | None:
+    """Upstream's reading of ``reshard_after_forward``: an int ``k`` (a factor of the shard
+    world ``world``) keeps the gathered parameters sharded over ``k`` ranks after forward;
+    ``k == world`` is ``True``, ``k == 1`` (keep them whole) is ``False``."""
+    if isinstance(reshard_after_forward, bool) or reshard_after_forward is None:
+        return reshard_after_forward
+    k = reshard_after_forward
+    if k < 1 or k > world or world % k:
+        raise ValueError(
+            f"fully_shard: reshard_after_forward as an int is the group size to reshard to "
+            f"after forward, a factor of the shard world {world}; got {k}"
+        )
+    return True if k == world else (False if k == 1 else k)
 
 
 def _parameters(
@@ -156,7 +165,9 @@ def fully_shard(
     keeps its share, equal to eager init); otherwise every rank must hold the same
     full parameters. Tied parameters must all be in one call.
     ``reshard_after_forward``: free the gathered buffer after forward (default: ``True``,
-    ``False`` for the module whose forward runs outermost); an int is not supported.
+    ``False`` for the module whose forward runs outermost); an int ``k`` (a factor of the
+    shard world) keeps it sharded over groups of ``k`` consecutive ranks, from which
+    backward gathers it (upstream's meaning: e.g. the ranks of a node).
     ``mp_policy``: ``param_dtype`` (compute dtype of the gathered parameters; the shard stays
     the master copy) and ``reduce_dtype`` (of the gradient reduce-scatter); ``output_dtype``
     is not supported. ``shard_placement_fn`` and a non-default ``offload_policy`` are not
@@ -191,7 +202,10 @@ def fully_shard(
     group = FlatGroup(
         params, names, mesh, param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype
     )
-    state = _State(group, cast(bool | None, reshard_after_forward), policy.cast_forward_inputs)
+    reshard = _reshard_world(reshard_after_forward, group.world)
+    if not isinstance(reshard, bool) and reshard is not None:
+        group.set_post_forward_world(reshard)
+    state = _State(group, reshard, policy.cast_forward_inputs)
     module._vescale_fsdp_state = state  # type: ignore[assignment]
     module.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
     module.register_forward_hook(state.post_forward, always_call=True)
@@ -236,11 +250,18 @@ class FSDPModule(nn.Module):
         """Free this module's gathered parameters (not recursive)."""
         _state_of(self, "reshard").group.free()
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Whether forward frees the gathered parameters (``False``: backward re-uses them)."""
+    def set_reshard_after_forward(
+        self, reshard_after_forward: bool | int, recurse: bool = True
+    ) -> None:
+        """Whether forward frees the gathered parameters (``False``: backward re-uses them;
+        an int ``k``: keeps them sharded over ``k`` ranks, backward gathers over those)."""
         _check_options(reshard_after_forward, OffloadPolicy(), MixedPrecisionPolicy())
         for m in self._fsdp_modules(recurse):
-            _state_of(m, "set_reshard_after_forward").reshard = reshard_after_forward
+            state = _state_of(m, "set_reshard_after_forward")
+            reshard = _reshard_world(reshard_after_forward, state.group.world)
+            if not isinstance(reshard, bool) and reshard is not None:
+                state.group.set_post_forward_world(reshard)
+            state.reshard = reshard
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
@@ -330,7 +351,7 @@ for _name in (
 class _State:
     """The hooks of one ``fully_shard`` module."""
 
-    def __init__(self, group: FlatGroup, reshard: bool | None, cast_inputs: bool) -> None:
+    def __init__(self, group: FlatGroup, reshard: bool | int | None, cast_inputs: bool) -> None:
         self.group = group
         self.reshard = reshard
         self.cast_inputs = cast_inputs
@@ -376,8 +397,10 @@ class _State:
         if output is None or not torch.is_grad_enabled():  # None: forward raised
             group.free()
             return output
-        if reshard:
+        if reshard is True:
             group.free()
+        elif reshard:
+            group.reshard_to_post_forward_world()
         tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(
@@ -386,7 +409,7 @@ class _State:
         return output
 
     def pre_backward(self, schedule: _Schedule) -> None:
-        self.group.wait()
+        self.group.wait(backward=True)
         previous = self.backward_prefetch
         for group in schedule.after(self.group, -1) if previous is None else previous:
-            group.gather()
+            group.gather(backward=True)

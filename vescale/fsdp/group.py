@@ -103,6 +103,8 @@ class FlatGroup:
         self._work: tuple[Any, torch.Tensor] | None = None
         self._pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None
         self._unsynced: torch.Tensor | None = None  # gradients kept by no gradient sync
+        self._post_forward: tuple[Any, int, int] | None = None  # (group, coordinate, size)
+        self._kept: torch.Tensor | None = None  # this rank's part of full after forward
         meta = [p.is_meta and not is_deferred(p) for _, p in params]
         if any(meta) and not all(meta):
             raise ValueError(
@@ -194,9 +196,38 @@ class FlatGroup:
     def _pg(self) -> Any:
         return self.mesh.get_group(self.shard_dim)
 
-    def gather(self) -> None:
-        """Issue the all-gather of ``shard`` into ``full`` (async); no-op if issued or done."""
+    def set_post_forward_world(self, k: int) -> None:
+        """Reshard to groups of ``k`` consecutive ranks of the mesh after forward (makes the
+        groups: every rank calls it at the same point)."""
+        self._post_forward = _post_forward_group(self.mesh, k)
+
+    def reshard_to_post_forward_world(self) -> None:
+        """Keep this rank's ``1/k`` of ``full`` (the part :meth:`gather` then all-gathers over
+        its group of ``k`` ranks) and free ``full``."""
+        assert self._post_forward is not None
+        self.wait()
+        _, coordinate, k = self._post_forward
+        part = self._full_numel // k
+        self._kept = self.full.narrow(0, coordinate * part, part).clone()
+        self.free()
+
+    def gather(self, backward: bool = False) -> None:
+        """Issue the all-gather of ``shard`` into ``full`` (async; in ``backward``, of the
+        part kept after forward, over its group, if any); no-op if issued or done. A kept
+        part not used by a backward is dropped (the parameters may have changed since)."""
         if self._work is not None or self.full.untyped_storage().nbytes() > 0:
+            return
+        if not backward:
+            self._kept = None
+        if self._kept is not None:
+            assert self._post_forward is not None
+            with _record("vescale.fsdp::all_gather"):
+                self.full.untyped_storage().resize_(self._full_numel * self.full.element_size())
+                kept, self._kept = self._kept, None
+                work = dist.all_gather_single(
+                    self.full.data, kept, group=self._post_forward[0], async_op=True
+                )
+                self._work = (work, kept)
             return
         with _record("vescale.fsdp::all_gather"):
             if self.full.numel() == 0:
@@ -217,9 +248,10 @@ class FlatGroup:
                 src,
             )
 
-    def wait(self) -> None:
-        """Gather (if not issued) and wait: ``full`` holds every rank's share."""
-        self.gather()
+    def wait(self, backward: bool = False) -> None:
+        """Gather (if not issued; ``backward``: as :meth:`gather`) and wait: ``full`` holds
+        every rank's share."""
+        self.gather(backward)
         if self._work is not None:
             self._work[0].wait()
             self._work = None
@@ -303,6 +335,24 @@ class FlatGroup:
                 p.grad = new_dtensor(local, p._spec, requires_grad=False)  # type: ignore[attr-defined]
             else:
                 p.grad._local_tensor.add_(local)  # type: ignore[attr-defined]
+
+
+_POST_FORWARD: dict[tuple[str, tuple[int, ...], int], tuple[Any, int, int]] = {}
+
+
+def _post_forward_group(mesh: Any, k: int) -> tuple[Any, int, int]:
+    """(group, this rank's coordinate in it, ``k``): the mesh's ranks in rows of ``k``
+    (``mesh.mesh.view(-1, k)``, as upstream; with HSDP a row stays within a replica), one
+    set of groups per mesh and ``k``."""
+    rows = mesh.mesh.reshape(-1, k)
+    key = (mesh.device_type, tuple(rows.flatten().tolist()), k)
+    if key not in _POST_FORWARD:
+        me = dist.get_rank()
+        for row in rows.tolist():  # every rank makes every group, in the same order
+            group = dist.new_group(row)
+            if me in row:
+                _POST_FORWARD[key] = (group, row.index(me), k)
+    return _POST_FORWARD[key]
 
 
 class _Unshard(torch.autograd.Function):
