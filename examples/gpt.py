@@ -121,7 +121,10 @@ def batch(
     cfg: GPTConfig, step: int, batch_size: int = 8, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and next-token targets of training step ``step`` (same on every rank, drawn
-    on the CPU and moved to ``device``)."""
+    on the CPU and moved to ``device``). The tokens are uniformly random, a new batch each
+    step: there is nothing to learn but that, so a few steps move the loss around
+    ``ln(vocab)`` (4.16 for 64) rather than down; the examples check that every way of
+    running the model computes the same losses, not that it learns."""
     g = torch.Generator().manual_seed(1000 + step)
     ids = torch.randint(0, cfg.vocab, (batch_size, cfg.seq + 1), generator=g).to(device)
     return ids[:, :-1], ids[:, 1:]

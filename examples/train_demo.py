@@ -14,7 +14,9 @@ shards, Megatron-style over tp, with the single-device values, and
 ``vescale.ddp.DistributedDataParallel`` reduces gradients over dp. Each step prints
 the compiled, eager and single-device losses; then the collectives of the compiled graphs
 (from ``collectives.json``), the compile time and where the dumps went. Exits 1 if any loss
-differs from single device by more than the tolerance.
+differs from single device by more than the tolerance. The tokens are random
+(``gpt.batch``), so the losses stay a little above ``ln(64) = 4.16``, moving by a few hundredths from
+step to step: the demo checks that the three columns agree, not that the loss falls.
 """
 
 from __future__ import annotations
