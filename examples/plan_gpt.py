@@ -3,9 +3,10 @@ compiler places the rest and explains its choice.
 
     torchrun --standalone --nproc-per-node 4 examples/plan_gpt.py [--device cpu|cuda]    (a (dp=2, tp=2) mesh)
 
-It prints the plan's explanation (the placements chosen, each collective and why) and the
-loss of each step. The tokens are random (``gpt.batch``), so the loss stays near
-``ln(64) = 4.16``; ``tests/plan/test_gpt_plan.py`` checks that its plan trains like one device.
+It prints the loss of each of 3 steps, the explanation's summary (the program chosen and its
+estimated cost) and the placements of the first block and the head. The tokens are random
+(``gpt.batch``, a vocabulary of 1024 here), so the loss stays near ``ln(1024) = 6.93``;
+``tests/plan/test_gpt_plan.py`` checks that this plan trains like one device.
 """
 
 from __future__ import annotations
