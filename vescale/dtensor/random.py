@@ -48,7 +48,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale._torch_compat import DTensorSpec, TensorMeta
+from vescale._torch_compat import (
+    DTensorSpec,
+    TensorMeta,
+    enabled_local_tensor_mode,
+    for_each_rank_run,
+)
 from vescale.dtensor.dtensor import new_dtensor
 from vescale.dtensor.hooks import bypass_dispatch
 from vescale.dtensor.inflight import wait_local
@@ -371,66 +376,123 @@ def _bernoulli_tensor_is_uniform(dtype: torch.dtype) -> bool:
     return torch.equal(g.get_state(), h.get_state()) and torch.equal(out, (u < p).float())
 
 
-def _fill_values(
-    op: torch._ops.OpOverload, rop: RandomOp, spec: Any, local: torch.Tensor
+def _bernoulli_by_uniform(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``bernoulli_`` with a ``dtype`` tensor ``p`` on ``device`` is drawn piecewise as
+    ``uniform_ < p``."""
+    return device.type == "cpu" and _bernoulli_tensor_is_uniform(dtype)
+
+
+def _probability_source(
+    op: torch._ops.OpOverload, p: Any, spec: Any, on_mesh: bool, uniform: bool
+) -> tuple[torch.Tensor, bool]:
+    """``bernoulli_``'s probabilities before the per-rank fill: ``(this rank's shard, True)``
+    for a DTensor laid out like the output when drawn as ``uniform_ < p``, else ``(a tensor broadcasting to the global shape,
+    False)``; any other DTensor is replicated first (its collective, on every rank of the
+    mesh). Off the mesh only the words drawn matter, not the values."""
+    from vescale.dtensor.explicit import redistribute_for
+
+    if not on_mesh:
+        return torch.zeros((), dtype=p.dtype), False
+    if not isinstance(p, _UpstreamDTensor):
+        return torch.as_tensor(p), False
+    same = tuple(p._spec.placements) == tuple(spec.placements) and p.shape == spec.shape
+    if uniform and same and not any(x.is_partial() for x in spec.placements):
+        return wait_local(p._local_tensor), True
+    replicated = redistribute_for(op, p, [Replicate()] * p.device_mesh.ndim)
+    return wait_local(replicated._local_tensor), False
+
+
+def _values(
+    rop: RandomOp,
+    spec: Any,
+    local: torch.Tensor,
+    indices: Indices | None,
+    p: tuple[torch.Tensor, bool] | None,
 ) -> torch.Tensor | None:
-    """The single-device values of ``rop`` on the global tensor of ``spec`` at this rank's
-    indices (``None`` off the mesh, where the generator is only advanced)."""
+    """The single-device values of ``rop`` on the global tensor of ``spec`` at ``indices``
+    (``None`` off the mesh, where the generator is only advanced); ``p``: ``bernoulli_``'s
+    probabilities from :func:`_probability_source`."""
     device = local.device
-    indices = (
-        local_indices(spec.shape, spec.mesh, spec.placements)
-        if spec.mesh._is_current_rank_part_of_mesh()
-        else None
-    )
-    if rop.op is not aten.bernoulli_.Tensor:
+    if p is None:
         return run_random(rop, spec.shape, local.dtype, device, indices, stride=spec.stride)
-    p = rop.args[0]
-    uniform = device.type == "cpu" and _bernoulli_tensor_is_uniform(p.dtype)
-    if indices is None:  # off the mesh only the words drawn matter, not p's values
-        p = torch.zeros((), dtype=p.dtype)
-    else:  # the bounded fallback needs p everywhere
-        p = _probabilities(op, p, spec, indices if uniform else None)
+    probs, is_local = p
+    uniform = _bernoulli_by_uniform(device, probs.dtype)
+    if not is_local:
+        full = probs.expand(spec.shape)
+        probs = full if indices is None or not uniform else take_local(full, indices)
     if uniform:
         u = run_random(
-            RandomOp(_UNIFORM, (0.0, 1.0), rop.generator), spec.shape, p.dtype, device, indices
+            RandomOp(_UNIFORM, (0.0, 1.0), rop.generator), spec.shape, probs.dtype, device, indices
         )
-        return None if u is None else (u < p).to(local.dtype)
-    whole = RandomOp(rop.op, (p,), rop.generator)
+        return None if u is None else (u < probs).to(local.dtype)
+    whole = RandomOp(rop.op, (probs,), rop.generator)  # the bounded fallback: p everywhere
     return run_random(whole, spec.shape, local.dtype, device, indices, stride=spec.stride)
 
 
-def _probabilities(op: torch._ops.OpOverload, p: Any, spec: Any, indices: Indices | None) -> Any:
-    """``bernoulli_``'s probabilities at ``indices`` (all of them, broadcast, for ``None``):
-    a DTensor laid out like the output is used locally, any other is replicated."""
-    from vescale.dtensor.explicit import redistribute_for
+def _per_simulated_rank(fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)``; under ``LocalTensorMode`` once per simulated rank (LocalTensors and
+    per-rank ints given as that rank's values, with the mode off), each from that rank's own
+    generator states, which it advances: upstream's ``maybe_run_for_local_tensor`` starts all
+    ranks from the one global state and leaves theirs as they were."""
+    mode = enabled_local_tensor_mode()
+    if mode is None:
+        fn(*args)
+        return
 
-    if not isinstance(p, _UpstreamDTensor):
-        full = torch.as_tensor(p).expand(spec.shape)
-        return full if indices is None else take_local(full, indices)
-    same = tuple(p._spec.placements) == tuple(spec.placements) and p.shape == spec.shape
-    if indices is not None and same and not any(x.is_partial() for x in spec.placements):
-        return wait_local(p._local_tensor)
-    replicated = redistribute_for(op, p, [Replicate()] * p.device_mesh.ndim)
-    full = wait_local(replicated._local_tensor).expand(spec.shape)
-    return full if indices is None else take_local(full, indices)
+    def on_rank(*rank_args: Any) -> None:
+        with mode.disable():
+            fn(*rank_args)
+
+    for_each_rank_run(on_rank, mode.ranks, args, {}, alias=False)
+
+
+def _fill_rank(
+    rop: RandomOp,
+    spec: Any,
+    local: torch.Tensor,
+    coordinate: list[int] | None,
+    p: tuple[torch.Tensor, bool] | None,
+    start: torch.Tensor | None,
+) -> None:
+    """Fill this rank's ``local`` (at mesh ``coordinate``, ``None`` off the mesh) in place;
+    ``start``: the state to put ``rop``'s own generator in first (LocalTensorMode runs this
+    once per simulated rank, each from the same state)."""
+    if start is not None and rop.generator is not None:
+        rop.generator.set_state(start)
+    indices = (
+        None
+        if coordinate is None
+        else local_indices(spec.shape, spec.mesh, spec.placements, coordinate)
+    )
+    values = _values(rop, spec, local, indices, p)
+    if values is None or coordinate is None:
+        return
+    for mesh_dim, placement in enumerate(spec.placements):
+        if isinstance(placement, Partial):
+            values = replicate_to_partial(values, placement.reduce_op, coordinate[mesh_dim])
+    local.copy_(values.view(local.shape))
 
 
 def _fill(op: torch._ops.OpOverload, rop: RandomOp, dt: _UpstreamDTensor) -> None:
     """Fill ``dt`` in place with ``rop``'s single-device values; a Partial mesh dim holds them
     as :func:`replicate_to_partial` lays a replicated value out. On a meta mesh there are no
-    values to draw (shapes only) and no generator advances."""
+    values to draw (shapes only) and no generator advances. Under ``LocalTensorMode`` each
+    simulated rank gets its own shard of the values, every rank's generator advancing as one
+    device's does."""
     spec = dt._spec
     if spec.mesh.device_type == "meta":
         return
-    local = dt._local_tensor
-    values = _fill_values(op, rop, spec, local)
-    if values is None:
-        return
-    for mesh_dim, p in enumerate(spec.placements):
-        if isinstance(p, Partial):
-            coordinate = spec.mesh.get_local_rank(mesh_dim)
-            values = replicate_to_partial(values, p.reduce_op, coordinate)
-    local.copy_(values.view(local.shape))
+    on_mesh = spec.mesh._is_current_rank_part_of_mesh()
+    coordinate = list(spec.mesh.get_coordinate()) if on_mesh else None
+    p = None
+    if rop.op is aten.bernoulli_.Tensor:
+        probs = rop.args[0]
+        dtype = probs.dtype if isinstance(probs, torch.Tensor) else torch.float32
+        uniform = _bernoulli_by_uniform(dt._local_tensor.device, dtype)
+        p = _probability_source(op, probs, spec, on_mesh, uniform)
+    simulated = enabled_local_tensor_mode() is not None and rop.generator is not None
+    start = rop.generator.get_state() if simulated and rop.generator is not None else None
+    _per_simulated_rank(_fill_rank, rop, spec, dt._local_tensor, coordinate, p, start)
 
 
 def _dtensor_random(
