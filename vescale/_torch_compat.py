@@ -48,9 +48,9 @@ from torch.distributed.tensor._ops.utils import (
 from torch.distributed.tensor._ops.utils import (
     register_op_strategy as upstream_register_op_strategy,
 )
-from torch.distributed.tensor._random import _calc_first_shard_size as first_shard_size
 from torch.distributed.tensor._random import _calc_shard_info as shard_info
 from torch.distributed.tensor._random import _calc_shard_linear_idx as shard_linear_idx
+from torch.distributed.tensor._random import _PhiloxState as PhiloxState
 from torch.distributed.tensor._redistribute import (
     _gen_transform_infos as gen_transform_infos,
 )
@@ -94,6 +94,7 @@ __all__ = [
     "OpSpec",
     "OpStrategy",
     "OutputSharding",
+    "PhiloxState",
     "PreparedSingleDimStrategy",
     "StridedShard",
     "TensorMeta",
@@ -113,7 +114,6 @@ __all__ = [
     "enabled_local_tensor_mode",
     "expand_to_full_mesh_op_strategy",
     "export_tracing_state",
-    "first_shard_size",
     "for_each_rank_run",
     "from_functional_tensor",
     "gen_transform_infos",
