@@ -143,6 +143,27 @@ def test_random_ops_draw_only_the_shard(philox, name):
     assert tuple(out.placements) == (Replicate(), Shard(1))
 
 
+@pytest.mark.parametrize(
+    "mesh_shape,placements", [((4,), [Replicate()]), ((4, 1), [Replicate(), Shard(0)])], ids=str
+)
+def test_unsharded_tensors_draw_as_one_device(philox, mesh_shape, placements):
+    """No mesh dim of more than one rank shards the tensor: every rank runs the op itself,
+    as one device does (same values, same generator advance), no offsets."""
+    torch.manual_seed(5)
+    want = torch.empty(8, 12).uniform_(-1.0, 1.0)
+    after = torch.rand(3)
+    with local_world(4) as mode:
+        mesh = vescale.init_device_mesh("cpu", mesh_shape)
+        d = vescale.distribute_tensor(torch.zeros(8, 12), mesh, placements)
+        torch.manual_seed(5)
+        d.uniform_(-1.0, 1.0)
+        locals_ = dict(d.to_local()._local_tensors)
+        draws = _draws(mode)
+    assert philox.calls == []
+    for rank in range(4):
+        assert torch.equal(locals_[rank], want) and torch.equal(draws[rank], after), rank
+
+
 def test_native_dropout_on_a_partial_input_stays_partial(philox):
     """The same mask on every rank of a Partial mesh dim (the dropped sum is the sum
     dropped), replicated; ``out = x * mask / (1 - p)`` on each shard."""

@@ -1,12 +1,15 @@
-"""Single-device-equivalent random numbers for sharded tensors.
+"""Random numbers for sharded tensors: single-device-equivalent on CPU, per shard on CUDA.
 
-A random op on a sharded tensor (a deferred parameter being materialized, ``nn.init.*`` or
-dropout on a ``DTensor``) gives every rank exactly the values the same op gives on one device
-under the same seed, at this rank's global indices, and leaves the generator in the state the
-single-device op leaves it in, so later random ops agree too. All ranks must start from the
-same generator state (``torch.manual_seed(s)`` everywhere). No communication is involved.
+**CPU** (the ``mt19937`` generator). A random op on a sharded tensor (a deferred parameter
+being materialized, ``nn.init.*``, ``rand_like``, ``bernoulli_`` or dropout on a ``DTensor``)
+gives every rank exactly the values the same op gives on one device under the same seed, at
+this rank's global indices, and leaves the generator in the state the single-device op leaves
+it in, so later random ops agree too. All ranks must start from the same generator state
+(``torch.manual_seed(s)`` everywhere). No communication is involved. Under
+``LocalTensorMode`` each simulated rank gets its own shard this way, from its own generator
+state.
 
-How the stream is partitioned (CPU, the ``mt19937`` generator, torch 2.13 kernels):
+How the stream is partitioned (torch 2.13 kernels):
 
 * ``uniform_`` (hence ``rand``, ``kaiming_uniform_``, ``xavier_uniform_``, ``trunc_normal_``)
   and ``bernoulli_(p)`` (hence CPU dropout) draw a fixed number of 32-bit words per element, in
@@ -27,12 +30,27 @@ the full tensor on one device. **Extra memory is bounded** by two per-thread scr
 of ``PIECE_ELEMENTS + 16`` elements per dtype (1 MiB each for float32; kept between ops so
 per-op reallocation cannot fragment the heap), the selected part of one piece (at most a
 piece), one int64 per shard row of the leading dims walked, and the per-dim index sets.
-
 Anything else (half/bfloat16 ``normal_``, tensors under 16 elements, non-contiguous global
-layouts, ``bernoulli_`` on Intel CPUs where torch uses MKL's stream, other random ops, CUDA
-generators whose Philox consumption depends on the launch configuration) is generated in
-full for that one tensor and sliced: exact by construction, with extra memory bounded by the
-size of that single tensor, released before the next one.
+layouts, ``bernoulli_`` on Intel CPUs where torch uses MKL's stream, other random ops) is
+generated in full for that one tensor and sliced: exact by construction, with extra memory
+bounded by the size of that single tensor, released before the next one.
+
+**CUDA** (:data:`PHILOX_DEVICES`: a counter-based Philox generator, a seed and an offset,
+whose per-element draws depend on the kernel's launch configuration). A random op on a
+DTensor, dropout included (``native_dropout``: the fused kernel), runs on the local shard
+only: memory and work O(shard). The shard draws at :func:`philox_offsets` past the
+generator's offset (shards numbered as upstream's ``OffsetBasedRNGTracker`` numbers them,
+spaced by the largest shard's element count), the same on replicas and Partial mesh dims,
+disjoint between shards, and every rank then moves the generator by the same amount. The
+contract: the values are a deterministic function of the seed, the global shape and how the
+tensor is sharded (mesh dims that only replicate it do not matter), independent between
+shards; **they are not one device's draw**, and another sharding draws other values. A
+tensor that no mesh dim of more than one rank shards runs the op as one device does (same
+values, same generator advance). SDPA's flash and memory-efficient kernels with
+``dropout_p > 0`` on DTensors draw each (batch, head) shard's mask at the offsets of that
+shard of a ``(B, H, L, max(S, 32))`` virtual tensor (:func:`sdpa_dropout_spec`); the kernel
+returns its seed and offset, so the backward redraws that mask. Deferred init
+(:func:`run_random`) on CUDA still generates each tensor in full and slices it (exact).
 """
 
 from __future__ import annotations
@@ -70,10 +88,14 @@ __all__ = [
     "PHILOX_DEVICES",
     "PIECE_ELEMENTS",
     "RandomOp",
+    "draw_on_shard",
     "philox_offsets",
     "random_op_of",
+    "run_at_philox",
     "run_random",
+    "sdpa_dropout_spec",
     "take_local",
+    "uses_philox",
 ]
 
 PIECE_ELEMENTS = 1 << 18
@@ -393,6 +415,27 @@ def run_at_philox(
         generator.set_state(state.state)
 
 
+def draw_on_shard(
+    spec: Any,
+    coordinate: Sequence[int] | None,
+    op: Callable[..., Any],
+    *args: Any,
+    generator: torch.Generator | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``op(*args, **kwargs)`` (``args[0]``: the shard of ``spec`` at mesh ``coordinate``,
+    ``None`` off the mesh) on a Philox device: as on one device when no mesh dim shards the
+    tensor (every rank holds all of it: the same values and generator advance as one
+    device's), else through :func:`run_at_philox` at :func:`philox_offsets`."""
+    coord = list(coordinate) if coordinate is not None else [0] * spec.mesh.ndim
+    counts = shard_info(coord, spec)[1]
+    if math.prod(counts) == 1:
+        extra = {} if generator is None else {"generator": generator}
+        return op(*args, **kwargs, **extra)
+    start, end = philox_offsets(spec, coord)
+    return run_at_philox(start, end, op, *args, generator=generator, **kwargs)
+
+
 def _philox_values(
     rop: RandomOp,
     spec: Any,
@@ -402,7 +445,6 @@ def _philox_values(
 ) -> torch.Tensor:
     """``rop`` on ``local`` itself at this shard's Philox offsets (off the mesh: on the empty
     local tensor, the generator advanced as on the mesh)."""
-    start, end = philox_offsets(spec, coordinate or [0] * spec.mesh.ndim)
     args = rop.args
     if p is not None:
         probs, is_local = p
@@ -410,7 +452,7 @@ def _philox_values(
             indices = local_indices(spec.shape, spec.mesh, spec.placements, coordinate)
             probs = take_local(probs.expand(spec.shape), indices)
         args = (probs.view(local.shape) if probs.numel() == local.numel() else probs, *args[1:])
-    run_at_philox(start, end, rop.op, local, *args, generator=rop.generator)
+    draw_on_shard(spec, coordinate, rop.op, local, *args, generator=rop.generator)
     return local
 
 
@@ -660,8 +702,7 @@ def _philox_dropout(
     spec: Any, local: torch.Tensor, coordinate: list[int] | None, p: float, train: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``native_dropout`` on one rank's shard at its Philox offsets."""
-    start, end = philox_offsets(spec, coordinate or [0] * spec.mesh.ndim)
-    return run_at_philox(start, end, aten.native_dropout.default, local, p, train)  # type: ignore[no-any-return]
+    return draw_on_shard(spec, coordinate, aten.native_dropout.default, local, p, train)  # type: ignore[no-any-return]
 
 
 # ---- SDPA's fused kernels: dropout masks per (batch, head) shard ------------------------
@@ -712,8 +753,7 @@ class _AtShardOffsets:
         return _per_simulated_rank(self._on_rank, list(self.coordinate), args, kwargs)
 
     def _on_rank(self, coordinate: list[int], args: Any, kwargs: dict[str, Any]) -> Any:
-        start, end = philox_offsets(self.spec, coordinate)
-        return run_at_philox(start, end, self.op, *args, **kwargs)
+        return draw_on_shard(self.spec, coordinate, self.op, *args, **kwargs)
 
 
 @bypass_dispatch(_SDPA_DROPOUT, when=_sdpa_draws_per_shard)
