@@ -225,3 +225,33 @@ def test_sdpa_dropout_offsets_per_head_shard(philox, kernel, mesh_shape, placeme
         assert starts[0] == starts[2] != starts[1] == starts[3]
     else:
         assert len(set(starts.values())) == 4
+
+
+class _PhiloxGenerator:
+    """A generator whose state is CUDA's: 16 bytes, the seed then the offset (int64)."""
+
+    def __init__(self, seed: int, offset: int) -> None:
+        self.state = torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8)
+
+    def get_state(self) -> torch.Tensor:
+        return self.state.clone()
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self.state = state.clone()
+
+    def offset(self) -> int:
+        return int(self.state.view(torch.int64)[1])
+
+
+def test_run_at_philox_moves_an_explicit_generator():
+    """The op sees the offset ``start`` past the generator's, which ends ``end`` past it."""
+    gen = _PhiloxGenerator(seed=7, offset=40)
+    seen = []
+
+    def op(t, *, generator):
+        seen.append(generator.offset())
+        return t
+
+    vrandom.run_at_philox(96, 256, op, torch.zeros(3), generator=gen)
+    assert seen == [40 + 96] and gen.offset() == 40 + 256
+    assert int(gen.state.view(torch.int64)[0]) == 7  # the seed stays
