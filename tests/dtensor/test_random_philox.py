@@ -255,3 +255,27 @@ def test_run_at_philox_moves_an_explicit_generator():
     vrandom.run_at_philox(96, 256, op, torch.zeros(3), generator=gen)
     assert seen == [40 + 96] and gen.offset() == 40 + 256
     assert int(gen.state.view(torch.int64)[0]) == 7  # the seed stays
+
+
+def test_sdpa_dropout_offsets_per_simulated_rank(philox, monkeypatch):
+    """Under LocalTensorMode each simulated rank's kernel runs at its own shard's offsets (the
+    kernel itself on meta copies: CPU has no flash kernel; zeros of its outputs' shapes)."""
+
+    def on_meta(start, end, op, *args, generator=None, **kwargs):
+        philox.calls.append((start, end, args[0].numel()))
+        meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
+        out = op(*meta, **kwargs)
+        return tuple(
+            torch.zeros(o.shape, dtype=o.dtype) if isinstance(o, torch.Tensor) else o for o in out
+        )
+
+    monkeypatch.setattr(vrandom, "run_at_philox", on_meta)
+    with local_world(4):
+        mesh = vescale.init_device_mesh("cpu", (2, 2))
+        q = vescale.distribute_tensor(torch.randn(2, 4, 16, 8), mesh, [Replicate(), Shard(1)])
+        out = aten._scaled_dot_product_flash_attention(q, q, q, 0.5, False)[0]
+        assert tuple(out.placements) == (Replicate(), Shard(1))
+    starts = [s for s, _, _ in philox.calls]
+    assert [n for _, _, n in philox.calls] == [2 * 2 * 16 * 8] * 4  # each rank's own shard
+    assert starts[0] == starts[2] != starts[1] == starts[3]
+    assert len({e for _, e, _ in philox.calls}) == 1

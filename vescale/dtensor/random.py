@@ -740,7 +740,7 @@ def sdpa_dropout_spec(out: Any, key_length: int) -> DTensorSpec:
     return DTensorSpec(out.mesh, tuple(out.placements), tensor_meta=meta)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity (a simulated coordinate is unhashable)
 class _AtShardOffsets:
     """A local kernel run at the Philox offsets of the shard of ``spec`` at ``coordinate``
     (under LocalTensorMode: each simulated rank at its own)."""
