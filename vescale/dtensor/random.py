@@ -451,7 +451,7 @@ def _philox_values(
         if not is_local and coordinate is not None:
             indices = local_indices(spec.shape, spec.mesh, spec.placements, coordinate)
             probs = take_local(probs.expand(spec.shape), indices)
-        args = (probs.view(local.shape) if probs.numel() == local.numel() else probs, *args[1:])
+        args = (probs, *args[1:])
     draw_on_shard(spec, coordinate, rop.op, local, *args, generator=rop.generator)
     return local
 
@@ -515,9 +515,9 @@ def _probability_source(
     op: torch._ops.OpOverload, p: Any, spec: Any, on_mesh: bool, by_shard: bool
 ) -> tuple[torch.Tensor, bool]:
     """``bernoulli_``'s probabilities before the per-rank fill: ``(this rank's shard, True)``
-    for a DTensor laid out like the output when drawn shard by shard, else ``(a tensor broadcasting to the global shape,
-    False)``; any other DTensor is replicated first (its collective, on every rank of the
-    mesh). Off the mesh only the words drawn matter, not the values."""
+    for a DTensor laid out like the output when drawn shard by shard, else ``(a tensor
+    broadcasting to the global shape, False)``; any other DTensor is replicated first (its
+    collective, on every rank of the mesh). Off the mesh only the words drawn matter."""
     from vescale.dtensor.explicit import redistribute_for
 
     if not on_mesh:
