@@ -35,6 +35,7 @@ from vescale.plan.cost import (
 from vescale.plan.memory import Memory, memory_model
 from vescale.plan.propagate import NodeStrategies, Placements, Value, propagate, value_of
 from vescale.plan.recipes import recipe_candidates
+from vescale.plan.repeats import block_roots
 from vescale.plan.solve import (
     TIME_LIMIT_S,
     Demand,
@@ -248,8 +249,9 @@ def place(
         return sum(bucket_copy_s(alpha_beta, s) for s in steps) * 1e6
 
     candidates = recipe_candidates(joint, table, mesh) if solver == "global" else []
+    twins = block_roots(joint, table, activations) if solver == "global" else {}
     problem = Problem(
-        table, demands, cost, compute, pair_costs, latency, memory, packing, candidates
+        table, demands, cost, compute, pair_costs, latency, memory, packing, candidates, twins
     )
     solve = cached(
         functools.partial(solve_global, time_limit_s=time_limit_s)

@@ -120,6 +120,9 @@ class Problem:
     # named partial choices (e.g. the standard recipes' placeholders), each completed
     # greedily and priced: the global choice is never dearer than the cheapest that fits
     candidates: list[tuple[str, dict[torch.fx.Node, int]]] = dataclasses.field(default_factory=list)
+    # {node: its twin in the first of repeated blocks} (vescale.plan.repeats): the global
+    # program gives a twin its root's choice and prices twin edges once, times their members
+    twins: dict[torch.fx.Node, torch.fx.Node] = dataclasses.field(default_factory=dict)
 
     def fits(self, chosen: dict[torch.fx.Node, int]) -> bool:
         """Whether ``chosen`` holds no more than the memory budget (if any)."""
@@ -221,24 +224,38 @@ class _Edge:
     shared: dict[tuple[int, int], dict[Any, float]]  # per pair: Problem.shared
 
 
+def _edge_key(problem: Problem, demand: Demand) -> Any:
+    """Demands of one key are one edge of the program: twins' (:attr:`Problem.twins`)."""
+    root = problem.twins
+    producer, k = demand.value
+    options = tuple((b, root.get(n, n) if n else None, tuple(ss)) for b, n, ss in demand.options)
+    return root.get(producer, producer), k, options, demand.bucket
+
+
 def _edges(problem: Problem, upper: float) -> list[_Edge]:
-    out = []
+    """One edge per class of twin demands, its costs times its members (each pays them; a
+    bucket's latency once)."""
+    classes: dict[Any, list[Demand]] = {}
     for demand in problem.demands:
+        classes.setdefault(_edge_key(problem, demand), []).append(demand)
+    out = []
+    for members in classes.values():
+        demand, n = members[0], len(members)
         producer, k = demand.value
         groups = _producer_groups(problem.table[producer], k)
         dsts = [b for b, _, _ in demand.options]
-        cost = problem.costs(demand.value, list(groups), dsts)
+        cost = problem.costs(demand.value, list(groups), dsts) * n
         cost[cost > upper] = np.inf  # dearer pairs are in no solution better than greedy's
         shared = {}
         srcs = list(groups)
         bucket = demand.bucket
         for i, j in zip(*np.nonzero(np.isfinite(cost))) if bucket is not None else ():
             if bucket is not None and problem.packing is not None:
-                cost[i, j] += problem.packing(bucket, demand.value, srcs[i], dsts[j])
+                cost[i, j] += n * problem.packing(bucket, demand.value, srcs[i], dsts[j])
             latency = problem.shared(demand, srcs[i], dsts[j])
             if latency:
                 shared[(int(i), int(j))] = latency
-                cost[i, j] -= sum(latency.values())
+                cost[i, j] -= n * sum(latency.values())
         options = [(node, strategies) for _, node, strategies in demand.options]
         out.append(_Edge(producer, list(groups.values()), options, cost, shared))
     return out
@@ -253,17 +270,23 @@ class _Program:
         self.edges = edges
         self.index: dict[tuple[torch.fx.Node, int], int] = {}
         self.costs: list[float] = []
-        for node, ns in problem.table.items():
+        for node, ns in problem.table.items():  # a twin shares its root's (earlier) columns
+            root = problem.twins.get(node)
             for s in range(len(ns.outputs)):
-                self.index[(node, s)] = len(self.costs)
-                self.costs.append(problem.compute(node, s) + TIE * s)
+                if root is None:
+                    self.index[(node, s)] = len(self.costs)
+                    self.costs.append(0.0)
+                else:
+                    self.index[(node, s)] = self.index[(root, s)]
+                self.costs[self.index[(node, s)]] += problem.compute(node, s) + TIE * s
         self.num_x = len(self.costs)
         self.rows: list[int] = []
         self.cols: list[int] = []
         self.vals: list[float] = []
         self.rhs: list[float] = []
         for node, ns in problem.table.items():
-            self._row([self.index[(node, s)] for s in range(len(ns.outputs))], [], 1.0)
+            if node not in problem.twins:
+                self._row([self.index[(node, s)] for s in range(len(ns.outputs))], [], 1.0)
         self.row_a: list[list[int]] = []  # per edge, per producer group: its row
         self.row_b: list[list[int]] = []
         for e in edges:
@@ -453,10 +476,19 @@ def solve_global(problem: Problem, time_limit_s: float = TIME_LIMIT_S) -> Soluti
         status = "optimal" if proven else f"best found by {how}"
     solution = Solution(chosen, status, value, bound, greedy_us, pairs, priced)
     if status == "optimal":
-        solution.status = f"optimal ({how})"
+        solution.status = f"optimal ({how}{_shared(problem)})"
     else:
         solution.status += f" {value:.1f} us, bound {_us(bound)}, gap {_gap(solution)}"
     return solution
+
+
+def _shared(problem: Problem) -> str:
+    if not problem.twins:
+        return ""
+    return (
+        f"; {len(problem.twins)} nodes of repeated blocks take their first block's choice: "
+        "optimal among such choices"
+    )
 
 
 def _us(bound: float | None) -> str:
