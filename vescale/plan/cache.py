@@ -39,6 +39,7 @@ _PRICED_BY = (
     "plan/cost.py",
     "plan/solve.py",
     "plan/recipes.py",
+    "plan/repeats.py",
     "plan/memory.py",
     "cost/model.py",
 )
