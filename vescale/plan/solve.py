@@ -450,6 +450,8 @@ def solve_global(problem: Problem, time_limit_s: float = TIME_LIMIT_S) -> Soluti
         how, proven, stopped = f"branch and bound within {MIP_GAP:.1%}", hit is None, hit
         bound = dual if dual is not None else bound
     pairs = (len(lp.pairs), sum(edge.cost.size for edge in edges))
+    if problem.twins:  # the tied program's bound holds for choices equal in every block only
+        bound = None
     chosen = (
         None
         if x is None
@@ -466,6 +468,7 @@ def solve_global(problem: Problem, time_limit_s: float = TIME_LIMIT_S) -> Soluti
     greedy_us = priced[0][1]
     if chosen is None or tied or not problem.fits(chosen):
         best.status = _fallback(best, bound, stopped, proven and chosen is not None)
+        best.status += _shared(problem) if proven and stopped is None else ""
         best.bound_us, best.greedy_us, best.pairs, best.candidates = bound, greedy_us, pairs, priced
         if stopped is not None:
             _warn_on_first_rank(f"vescale.parallelize: {best.status}", start)
@@ -483,6 +486,8 @@ def solve_global(problem: Problem, time_limit_s: float = TIME_LIMIT_S) -> Soluti
 
 
 def _shared(problem: Problem) -> str:
+    """What an optimum of the program sharing repeated blocks' choices proves (no bound
+    over choices that differ between blocks)."""
     if not problem.twins:
         return ""
     return (
