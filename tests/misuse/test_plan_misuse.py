@@ -184,7 +184,7 @@ def test_progress_lines_on_rank0_only(pool2):
     lines = [
         STAGE.format("capture", r" \(\d+ nodes\)"),
         STAGE.format("propagate", r" \(\d+ nodes\)"),
-        STAGE.format("solve", r" \(LP relaxation, integral, gap \d+\.\d\d%\)"),
+        STAGE.format("solve", r" \(optimal \(the LP relaxation is integral\), gap \d+\.\d\d%\)"),
         STAGE.format("materialize", r" \(2 parameters and buffers\)"),
         STAGE.format(r"compile graph\d+\.forward", ""),
     ]

@@ -39,7 +39,7 @@ from vescale.plan.lower import run_program, to_placements
 from vescale.plan.memory import optimizer_states
 from vescale.plan.program import PlacedProgram, place
 from vescale.plan.propagate import Placements
-from vescale.plan.solve import solving_group
+from vescale.plan.solve import MAX_TIME_LIMIT_S, TIME_LIMIT_S, solving_group
 from vescale.plan.validate import PlanError, normalize_placements, normalize_plan, validate_inputs
 
 __all__ = ["PlanError", "PlannedModule", "parallelize"]
@@ -356,6 +356,7 @@ def parallelize(
     progress: bool | None = None,
     memory_budget: int | None = None,
     optimizer: str = "sgd",
+    time_limit_s: float = TIME_LIMIT_S,
 ) -> PlannedModule:
     """Place ``model`` on ``mesh`` from a partial plan.
 
@@ -387,6 +388,12 @@ def parallelize(
     activations the backward reads; :mod:`vescale.plan.memory`): a constraint of the solve;
     a :class:`PlanError` naming the smallest budget that fits when none does. The explain
     report shows the choice's memory and the recipe it amounts to.
+    ``time_limit_s``: the global solve's limit (a positive number of seconds, at most
+    3600), spent as a fixed amount of solver work, so the choice does not depend on the
+    machine's load; the standard recipes (DDP, FSDP, FSDP x TP over each mesh dim
+    assignment) are priced as candidates, so a solve stopped at the limit returns the
+    cheapest of them (named in ``explain()``'s status, with a warning on rank 0) unless it
+    found better.
     The plan is checked before anything communicates (:class:`PlanError`); a failure of the
     solve, which rank 0 runs for every rank, is a :class:`PlanError` on every rank."""
     if solver not in ("global", "greedy"):
@@ -405,6 +412,7 @@ def parallelize(
             f"vescale.parallelize: memory_budget must be a positive int (bytes per rank), "
             f"got {memory_budget!r}"
         )
+    _check_time_limit(time_limit_s)
     optimizer_states(optimizer)  # a known optimizer, before anything is traced
     batch = {
         i: batch_choices(f"inputs[{i}]", p, t, mesh)
@@ -443,6 +451,7 @@ def parallelize(
             buckets,
             memory_budget=memory_budget,
             optimizer=optimizer,
+            time_limit_s=float(time_limit_s),
         )
         input_placements = program.input_placements()  # a Batch input's: the solver's choice
         if opts.dump_dir is not None:
@@ -459,6 +468,16 @@ def parallelize(
             replaced.record(before, model)  # an optimizer over the originals: refused at step
             stage.detail = f"{len(names)} parameters and buffers"
     return PlannedModule(model, program, input_placements, example_inputs, compile, options, shown)
+
+
+def _check_time_limit(time_limit_s: Any) -> None:
+    """:class:`PlanError` unless ``time_limit_s`` is a number in (0, MAX_TIME_LIMIT_S]."""
+    number = isinstance(time_limit_s, int | float) and not isinstance(time_limit_s, bool)
+    if not number or not 0 < time_limit_s <= MAX_TIME_LIMIT_S:
+        raise PlanError(
+            f"vescale.parallelize: time_limit_s must be a positive number of seconds, at "
+            f"most {MAX_TIME_LIMIT_S:g}, got {time_limit_s!r}"
+        )
 
 
 def _positional_names(model: nn.Module, n: int) -> list[str]:

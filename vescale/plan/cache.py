@@ -38,6 +38,8 @@ _PRICED_BY = (
     "plan/program.py",
     "plan/cost.py",
     "plan/solve.py",
+    "plan/recipes.py",
+    "plan/repeats.py",
     "plan/memory.py",
     "cost/model.py",
 )

@@ -156,8 +156,12 @@ class Explanation:
         if sol.greedy_us is not None:
             line += f"; greedy {sol.greedy_us:.1f} us"
         if sol.pairs[1]:
-            line += f"; {sol.pairs[0]} of {sol.pairs[1]} edge pairs within greedy's cost"
-        return [line]
+            line += f"; {sol.pairs[0]} of {sol.pairs[1]} edge pairs within the cheapest candidate's cost"
+        priced = ", ".join(
+            f"{name} {us:.1f} us" + ("" if fits else " (over the budget)")
+            for name, us, fits in sol.candidates
+        )
+        return [line, f"candidates priced: {priced}"] if priced else [line]
 
     def markdown(self) -> str:
         lines = ["# placements", "", self.summary(), "", "## redistributions", ""]

@@ -34,7 +34,10 @@ from vescale.plan.cost import (
 )
 from vescale.plan.memory import Memory, memory_model
 from vescale.plan.propagate import NodeStrategies, Placements, Value, propagate, value_of
+from vescale.plan.recipes import recipe_candidates
+from vescale.plan.repeats import block_roots
 from vescale.plan.solve import (
+    TIME_LIMIT_S,
     Demand,
     Problem,
     Solution,
@@ -156,6 +159,7 @@ def place(
     buckets: bool = False,
     memory_budget: int | None = None,
     optimizer: str = "sgd",
+    time_limit_s: float = TIME_LIMIT_S,
 ) -> PlacedProgram:
     """Propagate strategies over ``joint`` (placeholders named in ``fixed`` are fixed, or
     chosen among a list of placements) and choose per node with ``solver`` ("global" or
@@ -164,7 +168,9 @@ def place(
     ``bucket`` pass on, so the parameters' gathers and the gradients' all-reduces are priced
     (and issued) as buckets. ``memory_budget``: bytes per rank the choice may hold
     (:mod:`vescale.plan.memory`, ``optimizer``'s state included); :class:`PlanError` naming
-    the smallest budget that fits when none does."""
+    the smallest budget that fits when none does. ``time_limit_s``: the global solve's
+    limit, by work (:class:`vescale.plan.solve.Limits`); the standard recipes
+    (:mod:`vescale.plan.recipes`) are its candidates."""
     start = time.perf_counter()
     flat = flattens(mesh)
     fixed = _whole_targets(joint, fixed, mesh)
@@ -242,11 +248,17 @@ def place(
         steps = _bucketed_steps(mesh, bucket, value, a, b, flat)
         return sum(bucket_copy_s(alpha_beta, s) for s in steps) * 1e6
 
-    problem = Problem(table, demands, cost, compute, pair_costs, latency, memory, packing)
+    candidates = recipe_candidates(joint, table, mesh) if solver == "global" else []
+    twins = block_roots(joint, table, activations) if solver == "global" else {}
+    problem = Problem(
+        table, demands, cost, compute, pair_costs, latency, memory, packing, candidates, twins
+    )
     solve = cached(
-        solve_global if solver == "global" else solve_greedy,
+        functools.partial(solve_global, time_limit_s=time_limit_s)
+        if solver == "global"
+        else solve_greedy,
         f"{solver} {alpha_beta!r} mesh={tuple(mesh.shape)} flat={flat} dp={sorted(dp_dims)} "
-        f"activations={sorted(n.name for n in activations)}",
+        f"activations={sorted(n.name for n in activations)} time_limit_s={time_limit_s!r}",
     )
     solution = solve_once(solve, problem, solving_group(mesh))  # rank 0's, when it spans the world
     check_budget(memory, solution.chosen)  # every rank holds the same choice: the same error

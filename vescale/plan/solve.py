@@ -18,12 +18,21 @@ strategy (a cost of ``1e-9`` x its index in the registry's order), and a global 
 ``TIED`` of greedy's estimate keeps greedy's (the interior point may end on either of two tied
 vertices), so every rank, solving the same problem, makes the same choice.
 
-Size: the greedy choice is solved first; its total cost ``U`` bounds the optimum, so a pair
+Size: the candidates are priced first; the cheapest's total cost ``U`` bounds the optimum, so a pair
 costing more than ``U`` alone (all costs are non-negative) is in no optimal solution and is
 left out: exact, and it drops most pairs of 4-D attention tensors (~36 placements each),
-e.g. every gather of the batch over a data-parallel mesh dim. A time limit (``TIME_LIMIT_S``)
-bounds HiGHS; when it stops early the best solution found is used if it beats greedy, with
-its gap to HiGHS' lower bound reported in :class:`Solution` (else greedy, said so).
+e.g. every gather of the batch over a data-parallel mesh dim. Greedy's choice is one candidate:
+the standard recipes (``Problem.candidates``, :mod:`vescale.plan.recipes`) are the others,
+each completed greedily and priced the same way; the cheapest that fits bounds the pairs
+and is returned, named, when the program finds nothing cheaper.
+
+Limits by work (:class:`Limits`): ``time_limit_s`` buys HiGHS a number of LP iterations
+and branch-and-bound nodes for the program's size, so the same problem and limit give the
+same choice under any load; a wall-clock backstop (:data:`BACKSTOP` x the limit, plus
+:data:`BACKSTOP_S`) is said
+so in the status (a machine far slower than nominal). The status says what happened: ``optimal (...)``; ``stopped at the time
+limit (...): best found X us, bound Y us, gap Z%``; ``greedy fallback because ...`` or
+``recipe fallback because ...`` (then a :class:`SolveStoppedWarning` on rank 0).
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import datetime
 import functools
 import pickle
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -49,8 +59,10 @@ from vescale.plan.validate import PlanError
 
 __all__ = [
     "Demand",
+    "Limits",
     "Problem",
     "Solution",
+    "SolveStoppedWarning",
     "objective",
     "on_first_rank",
     "solve_global",
@@ -61,7 +73,14 @@ __all__ = [
 
 TIE = 1e-9  # us per strategy index
 TIED = 1e-6  # a global choice within this of greedy's estimate is a tie: greedy's is kept
-TIME_LIMIT_S = 120.0
+TIME_LIMIT_S = 120.0  # parallelize's default time_limit_s
+# HiGHS' work per second of time_limit_s: matrix nonzeros x iterations (the tiny GPT's LP,
+# 78,500 nonzeros, ran 286 iterations at ~7e7 per second on one core of this machine)
+WORK_PER_S = 5e7
+NODE_ITERATIONS = 100  # LP iterations a branch-and-bound node is budgeted
+BACKSTOP = 4.0  # HiGHS also stops at BACKSTOP x time_limit_s + BACKSTOP_S of wall clock
+BACKSTOP_S = 60.0
+MAX_TIME_LIMIT_S = 3600.0  # the largest time_limit_s (the other ranks wait that long)
 MIP_GAP = 1e-3  # branch and bound stops within 0.1% of the optimum: far inside the estimates' error
 
 
@@ -74,6 +93,10 @@ class Demand:
     options: list[tuple[Placements, torch.fx.Node | None, list[int]]]  # (b, node, strategies)
     reason: str
     bucket: str | None = None  # its collectives merge with the bucket's others (Problem.latency)
+
+
+class SolveStoppedWarning(UserWarning):
+    """The solve stopped at its limit before finding anything cheaper than its fallback."""
 
 
 @dataclass
@@ -94,6 +117,12 @@ class Problem:
     # for a demand with a ``bucket``: us of the local copies its merged collective adds to
     # the pair (packing into the bucket's buffer, unpacking a gathered result), per pair
     packing: Callable[[str, Value, Placements, Placements], float] | None = None
+    # named partial choices (e.g. the standard recipes' placeholders), each completed
+    # greedily and priced: the global choice is never dearer than the cheapest that fits
+    candidates: list[tuple[str, dict[torch.fx.Node, int]]] = dataclasses.field(default_factory=list)
+    # {node: its twin in the first of repeated blocks} (vescale.plan.repeats): the global
+    # program gives a twin its root's choice and prices twin edges once, times their members
+    twins: dict[torch.fx.Node, torch.fx.Node] = dataclasses.field(default_factory=dict)
 
     def fits(self, chosen: dict[torch.fx.Node, int]) -> bool:
         """Whether ``chosen`` holds no more than the memory budget (if any)."""
@@ -130,7 +159,8 @@ class Problem:
 class Solution:
     """The chosen strategy per node and how it was found. ``objective_us``: its estimated
     forward+backward time; ``bound_us``: a proven lower bound on any choice's (equal when
-    exact); ``greedy_us``: the greedy choice's; ``pairs``: edge pairs in the program / in all."""
+    exact); ``greedy_us``: the greedy choice's; ``pairs``: edge pairs in the program / in all;
+    ``candidates``: (name, us, fits the budget) of greedy and each recipe priced."""
 
     chosen: dict[torch.fx.Node, int]
     status: str
@@ -138,6 +168,7 @@ class Solution:
     bound_us: float | None = None
     greedy_us: float | None = None
     pairs: tuple[int, int] = (0, 0)
+    candidates: list[tuple[str, float, bool]] = dataclasses.field(default_factory=list)
 
     @property
     def gap(self) -> float | None:
@@ -193,24 +224,38 @@ class _Edge:
     shared: dict[tuple[int, int], dict[Any, float]]  # per pair: Problem.shared
 
 
+def _edge_key(problem: Problem, demand: Demand) -> Any:
+    """Demands of one key are one edge of the program: twins' (:attr:`Problem.twins`)."""
+    root = problem.twins
+    producer, k = demand.value
+    options = tuple((b, root.get(n, n) if n else None, tuple(ss)) for b, n, ss in demand.options)
+    return root.get(producer, producer), k, options, demand.bucket
+
+
 def _edges(problem: Problem, upper: float) -> list[_Edge]:
-    out = []
+    """One edge per class of twin demands, its costs times its members (each pays them; a
+    bucket's latency once)."""
+    classes: dict[Any, list[Demand]] = {}
     for demand in problem.demands:
+        classes.setdefault(_edge_key(problem, demand), []).append(demand)
+    out = []
+    for members in classes.values():
+        demand, n = members[0], len(members)
         producer, k = demand.value
         groups = _producer_groups(problem.table[producer], k)
         dsts = [b for b, _, _ in demand.options]
-        cost = problem.costs(demand.value, list(groups), dsts)
+        cost = problem.costs(demand.value, list(groups), dsts) * n
         cost[cost > upper] = np.inf  # dearer pairs are in no solution better than greedy's
         shared = {}
         srcs = list(groups)
         bucket = demand.bucket
         for i, j in zip(*np.nonzero(np.isfinite(cost))) if bucket is not None else ():
             if bucket is not None and problem.packing is not None:
-                cost[i, j] += problem.packing(bucket, demand.value, srcs[i], dsts[j])
+                cost[i, j] += n * problem.packing(bucket, demand.value, srcs[i], dsts[j])
             latency = problem.shared(demand, srcs[i], dsts[j])
             if latency:
                 shared[(int(i), int(j))] = latency
-                cost[i, j] -= sum(latency.values())
+                cost[i, j] -= n * sum(latency.values())
         options = [(node, strategies) for _, node, strategies in demand.options]
         out.append(_Edge(producer, list(groups.values()), options, cost, shared))
     return out
@@ -225,17 +270,23 @@ class _Program:
         self.edges = edges
         self.index: dict[tuple[torch.fx.Node, int], int] = {}
         self.costs: list[float] = []
-        for node, ns in problem.table.items():
+        for node, ns in problem.table.items():  # a twin shares its root's (earlier) columns
+            root = problem.twins.get(node)
             for s in range(len(ns.outputs)):
-                self.index[(node, s)] = len(self.costs)
-                self.costs.append(problem.compute(node, s) + TIE * s)
+                if root is None:
+                    self.index[(node, s)] = len(self.costs)
+                    self.costs.append(0.0)
+                else:
+                    self.index[(node, s)] = self.index[(root, s)]
+                self.costs[self.index[(node, s)]] += problem.compute(node, s) + TIE * s
         self.num_x = len(self.costs)
         self.rows: list[int] = []
         self.cols: list[int] = []
         self.vals: list[float] = []
         self.rhs: list[float] = []
         for node, ns in problem.table.items():
-            self._row([self.index[(node, s)] for s in range(len(ns.outputs))], [], 1.0)
+            if node not in problem.twins:
+                self._row([self.index[(node, s)] for s in range(len(ns.outputs))], [], 1.0)
         self.row_a: list[list[int]] = []  # per edge, per producer group: its row
         self.row_b: list[list[int]] = []
         for e in edges:
@@ -320,43 +371,87 @@ class _Program:
         return scipy.sparse.vstack(parts, format="csr"), rhs
 
 
+@dataclass(frozen=True)
+class Limits:
+    """HiGHS' limits for a solve given ``time_limit_s`` on a program of ``nonzeros``: work,
+    not wall clock (``iterations`` of the LP, ``nodes`` of branch and bound, each the work
+    ``time_limit_s`` buys at :data:`WORK_PER_S`), so one problem and limit stop at the same
+    point whatever the machine's load. ``wall_s``: a backstop only (:data:`BACKSTOP`)."""
+
+    time_limit_s: float
+    iterations: int
+    nodes: int
+
+    @classmethod
+    def of(cls, time_limit_s: float, nonzeros: int) -> Limits:
+        iterations = int(time_limit_s * WORK_PER_S / max(nonzeros, 1))
+        return cls(time_limit_s, max(iterations, 1), max(iterations // NODE_ITERATIONS, 1))
+
+    @property
+    def wall_s(self) -> float:
+        return BACKSTOP * self.time_limit_s + BACKSTOP_S
+
+    def text(self) -> str:
+        return (
+            f"time_limit_s={self.time_limit_s:g}: {self.iterations} LP iterations, "
+            f"{self.nodes} branch-and-bound nodes"
+        )
+
+
+def _stopped(message: str, limits: Limits) -> str:
+    """Which limit a HiGHS run that stopped early reached, from its ``message``."""
+    if "time limit" in message.lower():
+        return f"the wall-clock backstop ({limits.wall_s:g} s, load-dependent)"
+    return f"the time limit ({limits.text()})"
+
+
 def solve_global(problem: Problem, time_limit_s: float = TIME_LIMIT_S) -> Solution:
-    """The strategy of every node minimizing the total estimated cost."""
+    """The strategy of every node minimizing the total estimated cost; never dearer than the
+    cheapest candidate (greedy, then ``problem.candidates`` completed greedily), which it
+    returns, named, when the program finds nothing cheaper within ``time_limit_s``
+    (:class:`Limits`). A stop at the limit with nothing cheaper warns on rank 0."""
     import scipy.optimize
 
-    deadline = time.monotonic() + time_limit_s
-    greedy = solve_greedy(problem)
-    # greedy's cost bounds the optimum only when it fits the budget
-    upper = greedy.objective_us * (1 + 1e-9) + 1e-9 if problem.fits(greedy.chosen) else np.inf
+    start = time.perf_counter()
+    best, priced = _cheapest_candidate(problem)
+    # its cost bounds the optimum only when it fits the budget
+    upper = best.objective_us * (1 + 1e-9) + 1e-9 if problem.fits(best.chosen) else np.inf
     edges = _edges(problem, upper)
     lp = _Program(problem, edges)
     for e, edge in enumerate(edges):
         for i, j in zip(*np.nonzero(np.isfinite(edge.cost))):
             lp.add(e, int(i), int(j))
     a_ub, b_ub = lp.inequalities(problem)
+    a_eq = lp.matrix()
+    limits = Limits.of(time_limit_s, a_eq.nnz + (0 if a_ub is None else a_ub.nnz))
     result = scipy.optimize.linprog(
         np.asarray(lp.costs),
         A_ub=a_ub,
         b_ub=b_ub,
-        A_eq=lp.matrix(),
+        A_eq=a_eq,
         b_eq=np.asarray(lp.rhs),
         bounds=(0, None),
         method="highs-ipm",  # with crossover: a vertex; 10-40x faster than simplex here
-        options={"time_limit": max(deadline - time.monotonic(), 1.0)},
+        options={"maxiter": limits.iterations, "time_limit": limits.wall_s},
     )
-    x, bound, status = None, None, "LP relaxation, integral"
+    x, bound, how, proven, stopped = None, None, "the LP relaxation is integral", True, None
     if result.status == 0:
         bound = float(result.fun)  # no choice is cheaper
         if not np.any((result.x > 1e-6) & (result.x < 1 - 1e-6)):
             x = result.x
+    else:
+        proven, stopped = False, _stopped(str(result.message), limits)
     if x is None and result.status == 0:  # fractional: branch on its fractional nodes only
-        x, _, _ = _branch(lp, a_ub, b_ub, deadline, fixed=result.x)
-        status = "branch and bound over the LP's fractional nodes"
-    if x is None:  # branch and bound over every node
-        x, dual, stopped = _branch(lp, a_ub, b_ub, deadline)
-        status = "branch and bound" + (", stopped at its time limit" if stopped else "")
+        x, _, hit = _branch(lp, a_ub, b_ub, limits, fixed=result.x)
+        how, proven = "branch and bound over the LP's fractional nodes", False
+        stopped = hit
+    if x is None and result.status == 0:  # branch and bound over every node
+        x, dual, hit = _branch(lp, a_ub, b_ub, limits)
+        how, proven, stopped = f"branch and bound within {MIP_GAP:.1%}", hit is None, hit
         bound = dual if dual is not None else bound
     pairs = (len(lp.pairs), sum(edge.cost.size for edge in edges))
+    if problem.twins:  # the tied program's bound holds for choices equal in every block only
+        bound = None
     chosen = (
         None
         if x is None
@@ -366,24 +461,88 @@ def solve_global(problem: Problem, time_limit_s: float = TIME_LIMIT_S) -> Soluti
         }
     )
     value = np.inf if chosen is None else objective(problem, chosen)
-    # not cheaper than greedy beyond the LP's tolerance: a tie, which goes to greedy (eager's
-    # choice), not to whichever tied vertex the interior point ended on
-    tied = value >= greedy.objective_us * (1 - TIED)
+    # not cheaper than the candidate beyond the LP's tolerance: a tie, which goes to the
+    # candidate (greedy first: eager's choice), not to whichever tied vertex the interior
+    # point ended on
+    tied = value >= best.objective_us * (1 - TIED)
+    greedy_us = priced[0][1]
     if chosen is None or tied or not problem.fits(chosen):
-        greedy.status = f"greedy: the global program found nothing cheaper ({status})"
-        greedy.bound_us, greedy.greedy_us, greedy.pairs = bound, greedy.objective_us, pairs
-        return greedy
-    return Solution(chosen, status, value, bound, greedy.objective_us, pairs)
+        best.status = _fallback(best, bound, stopped, proven and chosen is not None)
+        best.status += _shared(problem) if proven and stopped is None else ""
+        best.bound_us, best.greedy_us, best.pairs, best.candidates = bound, greedy_us, pairs, priced
+        if stopped is not None:
+            _warn_on_first_rank(f"vescale.parallelize: {best.status}", start)
+        return best
+    if stopped is not None:
+        status = f"stopped at {stopped}: best found"
+    else:
+        status = "optimal" if proven else f"best found by {how}"
+    solution = Solution(chosen, status, value, bound, greedy_us, pairs, priced)
+    if status == "optimal":
+        solution.status = f"optimal ({how}{_shared(problem)})"
+    else:
+        solution.status += f" {value:.1f} us, bound {_us(bound)}, gap {_gap(solution)}"
+    return solution
+
+
+def _shared(problem: Problem) -> str:
+    """What an optimum of the program sharing repeated blocks' choices proves (no bound
+    over choices that differ between blocks)."""
+    if not problem.twins:
+        return ""
+    return (
+        f"; {len(problem.twins)} nodes of repeated blocks take their first block's choice: "
+        "optimal among such choices"
+    )
+
+
+def _us(bound: float | None) -> str:
+    return "none" if bound is None else f"{bound:.1f} us"
+
+
+def _gap(solution: Solution) -> str:
+    return "unknown" if solution.gap is None else f"{solution.gap:.2%}"
+
+
+def _fallback(best: Solution, bound: float | None, stopped: str | None, proven: bool) -> str:
+    """The status of a solve returning the cheapest candidate ``best`` (``status``: its
+    name): proven optimal, found nothing cheaper, or stopped at a limit before that."""
+    name = best.status
+    kind = "greedy" if name.startswith("greedy") else "recipe"
+    if stopped is not None:
+        gap = Solution(best.chosen, "", best.objective_us, bound)
+        return (
+            f"{kind} fallback because the solve stopped at {stopped} before finding anything "
+            f"cheaper: {name}, {best.objective_us:.1f} us, bound {_us(bound)}, gap {_gap(gap)}"
+        )
+    if proven:
+        return f"optimal: {name} (nothing cheaper: bound {_us(bound)})"
+    return f"{kind} fallback: {name} (the program found nothing cheaper, bound {_us(bound)})"
+
+
+def _is_first_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _warn_on_first_rank(message: str, start: float) -> None:
+    """One warning, on rank 0 only (every rank may solve the same problem)."""
+    if _is_first_rank():
+        spent = time.perf_counter() - start
+        warnings.warn(
+            f"{message} (after {spent:.1f} s; raise parallelize's time_limit_s)",
+            SolveStoppedWarning,
+            stacklevel=2,
+        )
 
 
 def _branch(
-    lp: _Program, a_ub: Any, b_ub: Any, deadline: float, fixed: np.ndarray | None = None
-) -> tuple[np.ndarray | None, float | None, bool]:
-    """Branch and bound (HiGHS' ``milp``) on ``lp``'s node variables: the solution (``None``:
-    none found), HiGHS' lower bound, whether it stopped at its time limit. With ``fixed`` (an
-    LP relaxation's solution) every node variable integral there is held at its value, so the
-    search runs over the nodes it left fractional: a heuristic, fast where few are (no choice
-    of those may fit: ``None``)."""
+    lp: _Program, a_ub: Any, b_ub: Any, limits: Limits, fixed: np.ndarray | None = None
+) -> tuple[np.ndarray | None, float | None, str | None]:
+    """Branch and bound (HiGHS' ``milp``) on ``lp``'s node variables within ``limits``: the
+    solution (``None``: none found), HiGHS' lower bound, and the limit it stopped at
+    (``None``: it did not). With ``fixed`` (an LP relaxation's solution) every node variable
+    integral there is held at its value, so the search runs over the nodes it left
+    fractional: a heuristic, fast where few are (no choice of those may fit: ``None``)."""
     import scipy.optimize
 
     n = len(lp.costs)
@@ -402,9 +561,10 @@ def _branch(
         integrality=(np.arange(n) < lp.num_x).astype(int),
         constraints=constraints,
         bounds=scipy.optimize.Bounds(lower, upper),
-        options={"time_limit": max(deadline - time.monotonic(), 10.0), "mip_rel_gap": MIP_GAP},
+        options={"node_limit": limits.nodes, "time_limit": limits.wall_s, "mip_rel_gap": MIP_GAP},
     )
-    return mip.x, getattr(mip, "mip_dual_bound", None), mip.status == 1
+    stopped = _stopped(str(mip.message), limits) if mip.status == 1 else None
+    return mip.x, getattr(mip, "mip_dual_bound", None), stopped
 
 
 def solve_greedy(problem: Problem) -> Solution:
@@ -420,7 +580,26 @@ def solve_greedy(problem: Problem) -> Solution:
     return lean
 
 
-def _greedy(problem: Problem, lean: bool) -> Solution:
+def _cheapest_candidate(problem: Problem) -> tuple[Solution, list[tuple[str, float, bool]]]:
+    """Greedy's choice and each of ``problem.candidates`` completed greedily, priced: the
+    cheapest that fits the budget (ties: the earlier, greedy first; none fits: greedy's),
+    its ``status`` its name, and every candidate's (name, us, fits)."""
+    best = solve_greedy(problem)
+    priced = [(best.status, best.objective_us, problem.fits(best.chosen))]
+    for name, partial in problem.candidates:
+        candidate = _greedy(problem, lean=False, initial=partial)
+        fits = problem.fits(candidate.chosen)
+        priced.append((name, candidate.objective_us, fits))
+        cheaper = candidate.objective_us < best.objective_us or not problem.fits(best.chosen)
+        if fits and cheaper:
+            best = dataclasses.replace(candidate, status=name)
+    return best, priced
+
+
+def _greedy(
+    problem: Problem, lean: bool, initial: dict[torch.fx.Node, int] | None = None
+) -> Solution:
+    """:func:`solve_greedy`'s pass, ``initial``'s nodes held at their strategies."""
     memory = problem.memory.per_strategy if problem.memory is not None and lean else {}
     by_consumer: dict[torch.fx.Node, list[Demand]] = {}
     for demand in problem.demands:
@@ -429,6 +608,9 @@ def _greedy(problem: Problem, lean: bool) -> Solution:
             by_consumer.setdefault(node, []).append(demand)
     chosen: dict[torch.fx.Node, int] = {}
     for node, ns in problem.table.items():
+        if initial and node in initial:
+            chosen[node] = initial[node]
+            continue
         if ns.source == "free" and node not in memory:
             chosen[node] = next(
                 s for s, out in enumerate(ns.outputs) if all(not p.is_shard() for p in out[0] or ())
@@ -461,7 +643,7 @@ T = TypeVar("T")
 def _patient_group() -> dist.ProcessGroup:
     """The world on gloo with a timeout longer than any solve: the other ranks wait for rank
     0's choice in it (the default group's timeout may be shorter than a large solve)."""
-    seconds = 2 * TIME_LIMIT_S + 600
+    seconds = BACKSTOP * MAX_TIME_LIMIT_S + BACKSTOP_S + 600
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
     assert group is not None
     return group
