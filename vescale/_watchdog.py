@@ -118,11 +118,11 @@ def start() -> None:
     if not on or not active() or _world is dist.group.WORLD:
         return
     _world = dist.group.WORLD
-    store = _store()
-    rank, size = dist.get_rank(), dist.get_world_size()
-    _beat(store, rank)
     threading.Thread(
-        target=_run, args=(_world, store, rank, size), name="vescale-heartbeat", daemon=True
+        target=_run,
+        args=(_world, dist.get_rank(), dist.get_world_size()),
+        name="vescale-heartbeat",
+        daemon=True,
     ).start()
 
 
@@ -148,11 +148,12 @@ def _beat(store: Any, rank: int) -> None:
     store.set(_KEY.format(rank), f"{time.time():.3f} {_activity}")
 
 
-def _run(world: Any, store: Any, rank: int, size: int) -> None:
+def _run(world: Any, rank: int, size: int) -> None:
     reported = -1.0
+    store = None
     while _world is world:
-        time.sleep(BEAT_S)
         try:
+            store = _store() if store is None else store
             _beat(store, rank)
             waited = time.monotonic() - _entered
             if _depth and waited > timeout().total_seconds() and reported != _entered:
@@ -161,7 +162,8 @@ def _run(world: Any, store: Any, rank: int, size: int) -> None:
                     reported = _entered
                     print(_message(_activity, silent, waited), file=sys.stderr, flush=True)
         except Exception:  # the store is gone (the group was destroyed) or slow: beat again
-            continue
+            pass
+        time.sleep(BEAT_S)
 
 
 def _peers(store: Any, rank: int, size: int) -> dict[int, tuple[float, str]]:

@@ -54,6 +54,51 @@ def test_a_stopped_rank_is_named_on_the_others():
             " s in vescale.ddp all-reduce of gradient bucket 0 (2 parameters, torch.float32) "
             "over mesh dims [0], which it misses: rank 2 silent for "
         ) in msg, msg
-        assert "(stopped, hung or gone), at its last heartbeat in: vescale.ddp all-reduce of gradient "
-            "bucket 0 (2 parameters, torch.float32) over mesh dims [0] (" in msg, msg
+        assert (
+            "(stopped, hung or gone), at its last heartbeat in: vescale.ddp all-reduce of "
+            "gradient bucket 0 (2 parameters, torch.float32) over mesh dims [0] ("
+        ) in msg, msg
         assert seconds < timeout_s + 10, (rank, seconds)
+
+
+def _timeouts(given: float | None) -> list[float]:
+    mesh = vescale.init_device_mesh("cpu", (1, 2), timeout=given)
+    groups = [mesh.get_group(0), mesh.get_group(1), dist.group.WORLD]
+    dist.barrier()  # rank 0 hosts the store: no rank leaves before the others are done with it
+    return [group_timeout(g).total_seconds() for g in groups]
+
+
+def test_init_device_mesh_timeout_reaches_the_groups_it_creates():
+    # the harness's default group (120 s) is the user's: kept; the size-1 dim's groups are new
+    assert [out[:2] for out in run_fresh(2, _timeouts, 77.0, timeout_s=60)] == [
+        ("ok", [77.0, 120.0, 120.0])
+    ] * 2
+    # no default group yet: vescale initializes it, with VESCALE_TIMEOUT_S
+    env = {"VESCALE_TIMEOUT_S": "33"}
+    assert [
+        out[:2] for out in run_fresh(2, _timeouts, None, env=env, init_group=False, timeout_s=60)
+    ] == [("ok", [33.0, 33.0, 33.0])] * 2
+
+
+@pytest.mark.parametrize("value", ["-2", "soon", ""])
+def test_a_wrong_timeout_is_an_error_naming_it(monkeypatch, value):
+    monkeypatch.setenv("VESCALE_TIMEOUT_S", value)
+    with pytest.raises(ValueError, match=f"VESCALE_TIMEOUT_S={value!r} is not a positive number"):
+        vescale.init_device_mesh("meta", (2,))
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "600", True])
+def test_a_wrong_timeout_argument_is_an_error(value):
+    with pytest.raises(ValueError, match=f"init_device_mesh: timeout={value!r} is not a positive"):
+        vescale.init_device_mesh("meta", (2,), timeout=value)
+
+
+def test_a_timedelta_timeout_is_accepted():
+    assert vescale.init_device_mesh("meta", (2,), timeout=datetime.timedelta(seconds=5)).ndim == 1
+
+
+@pytest.mark.parametrize("value", ["maybe", "", "2"])
+def test_a_wrong_watchdog_switch_is_an_error_naming_it(monkeypatch, value):
+    monkeypatch.setenv("VESCALE_WATCHDOG", value)
+    with pytest.raises(ValueError, match=f"VESCALE_WATCHDOG={value!r} is not a boolean"):
+        _watchdog.start()

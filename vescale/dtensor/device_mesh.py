@@ -276,13 +276,13 @@ def _timeout(value: datetime.timedelta | float | None) -> datetime.timedelta:
     """``init_device_mesh``'s ``timeout=`` as a positive ``timedelta``."""
     if value is None:
         return _watchdog.timeout()
-    ok = isinstance(value, datetime.timedelta | int | float) and not isinstance(value, bool)
-    limit = value if isinstance(value, datetime.timedelta) else datetime.timedelta(seconds=value)
-    if not ok or not limit.total_seconds() > 0:
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        value = datetime.timedelta(seconds=value)
+    if not isinstance(value, datetime.timedelta) or not value.total_seconds() > 0:
         raise ValueError(
             f"init_device_mesh: timeout={value!r} is not a positive timedelta or number of seconds"
         )
-    return limit
+    return value
 
 
 def _set_timeouts(mesh: DeviceMesh, limit: datetime.timedelta, user_world: Any) -> None:
