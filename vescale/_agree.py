@@ -31,7 +31,6 @@ from vescale._watchdog import ENV, active, collective, timeout
 
 __all__ = ["ENV", "AgreementError", "active", "all_equal", "gather", "side_group", "timeout"]
 
-ENV = "VESCALE_TIMEOUT_S"
 _KEY = "vescale/agree/rank{}"
 _groups: dict[int, dist.ProcessGroup] = {}
 _count = itertools.count()

@@ -78,7 +78,7 @@ def active() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
 
 
-class collective:  # noqa: N801 (used as a statement: ``with collective(...)``)
+class collective:
     """Marks this rank as in the collective ``what`` for the heartbeat; a peer-loss or timeout
     ``RuntimeError`` inside becomes a :class:`StuckRankError` naming the silent ranks (unless
     ``explain=False``: the caller explains it itself)."""

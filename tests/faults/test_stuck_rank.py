@@ -47,9 +47,7 @@ def test_a_stopped_rank_is_named_on_the_others():
     assert stopped[0] == "lost"
     for rank, (kind, msg, seconds) in enumerate(waiting):
         assert kind == "err", (rank, msg)
-        assert msg.startswith(
-            f"StuckRankError: vescale: rank {rank} waited "
-        ), msg
+        assert msg.startswith(f"StuckRankError: vescale: rank {rank} waited "), msg
         assert (
             " s in vescale.ddp all-reduce of gradient bucket 0 (2 parameters, torch.float32) "
             "over mesh dims [0], which it misses: rank 2 silent for "

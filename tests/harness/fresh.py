@@ -82,7 +82,17 @@ def run_fresh(
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(r, world_size, port, target, args, env or {}, results, list(sys.path), init_group),
+                args=(
+                    r,
+                    world_size,
+                    port,
+                    target,
+                    args,
+                    env or {},
+                    results,
+                    list(sys.path),
+                    init_group,
+                ),
                 daemon=True,
             )
             for r in range(world_size)

@@ -48,10 +48,10 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
+from vescale._watchdog import collective
 from vescale.ddp.bucketing import DEFAULT_BUCKET_CAP_MB, cap_bytes, joins
 from vescale.dtensor.dtensor import from_local, redistribute_dtensor
 from vescale.dtensor.flat_groups import flattened_mesh
-from vescale._watchdog import collective
 from vescale.dtensor.inflight import wait_local
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "Reducer", "UnusedParameterError"]
