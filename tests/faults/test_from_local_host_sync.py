@@ -26,7 +26,7 @@ def _exchange(run_check: bool, cpu_backend: bool) -> tuple[list[str], list[str],
     kwargs = {"run_check": run_check, "support_uneven": True}
     vescale.from_local(*args, **kwargs)  # first call: the side group, the coordinates cache
     used: list[str] = []
-    real = dist.all_gather_into_tensor
+    real = dist.all_gather_single
 
     def recording(out: torch.Tensor, inp: torch.Tensor, group: object = None) -> object:
         side = _agree.side_group() if not cpu_backend else None
@@ -39,7 +39,7 @@ def _exchange(run_check: bool, cpu_backend: bool) -> tuple[list[str], list[str],
 
     with (
         mock.patch.object(local_metadata, "has_cpu_backend", lambda g: cpu_backend),
-        mock.patch.object(dist, "all_gather_into_tensor", recording),
+        mock.patch.object(dist, "all_gather_single", recording),
         mock.patch.object(funcol, "all_gather_single", refused),
         count_host_syncs() as syncs,
     ):

@@ -148,7 +148,7 @@ def _all_gather(data: bytes, size: int, mesh: Any, device: torch.device) -> list
         raw = bytearray(data.ljust(size, b"\0"))
         for group in groups:
             gathered = bytearray(len(raw) * dist.get_world_size(group))
-            dist.all_gather_into_tensor(
+            dist.all_gather_single(
                 torch.frombuffer(gathered, dtype=torch.uint8),
                 torch.frombuffer(raw, dtype=torch.uint8),
                 group=group,
