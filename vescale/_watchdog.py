@@ -57,6 +57,7 @@ _activity = "no vescale collective yet"
 _depth = 0  # nesting of ``collective`` blocks on the main thread
 _entered = 0.0  # time.monotonic() when the outermost block began
 _world: Any = None  # the default group the running heartbeat belongs to
+_seen: tuple[float, dict[int, tuple[float, str]]] | None = None  # peers as last read, when
 
 
 class StuckRankError(RuntimeError):
@@ -149,6 +150,7 @@ def _beat(store: Any, rank: int) -> None:
 
 
 def _run(world: Any, rank: int, size: int) -> None:
+    global _seen
     reported = -1.0
     store = None
     while _world is world:
@@ -156,9 +158,10 @@ def _run(world: Any, rank: int, size: int) -> None:
             store = _store() if store is None else store
             _beat(store, rank)
             waited = time.monotonic() - _entered
-            if _depth and waited > timeout().total_seconds() and reported != _entered:
-                silent = _silent(store, rank, size)
-                if silent:
+            if _depth and waited > STALE_S:  # blocked: read the peers (kept should the store go)
+                _seen = (time.time(), _peers(store, rank, size))
+                silent = {r: v for r, v in _seen[1].items() if v[0] > STALE_S}
+                if silent and waited > timeout().total_seconds() and reported != _entered:
                     reported = _entered
                     print(_message(_activity, silent, waited), file=sys.stderr, flush=True)
         except Exception:  # the store is gone (the group was destroyed) or slow: beat again
@@ -207,17 +210,22 @@ def diagnosis(what: str, *, wait: bool = False) -> str:
     waited = time.monotonic() - _entered
     if _world is None:
         return f"vescale: {what} failed (no heartbeat: {WATCHDOG_ENV}=0 or not started)"
-    store = _store()
     rank, size = dist.get_rank(), dist.get_world_size()
     deadline = time.monotonic() + (STALE_S + BEAT_S if wait else 0.0)
     try:
+        store = _store()
         silent = _silent(store, rank, size)
         while not silent and time.monotonic() < deadline:
             time.sleep(BEAT_S / 2)
             silent = _silent(store, rank, size)
-    except Exception as err:  # the store's host is stopped or gone
-        return (
-            f"vescale: {what} failed and the store of the default group did not answer "
-            f"({type(err).__name__}): its host (rank 0, or torchrun's agent) is stopped or gone"
-        )
+    except Exception as err:  # the store's host is stopped or gone: the peers as last read
+        if _seen is None:
+            return (
+                f"vescale: {what} failed and the store of the default group did not answer "
+                f"({type(err).__name__}): its host (rank 0, or torchrun's agent) is stopped "
+                f"or gone"
+            )
+        late = time.time() - _seen[0]
+        peers = {r: (age + late, last) for r, (age, last) in _seen[1].items()}
+        silent = {r: v for r, v in peers.items() if v[0] > STALE_S}
     return _message(what, silent, waited)

@@ -23,7 +23,9 @@ def test_a_long_wait_with_a_silent_peer_is_reported_once(monkeypatch, capsys):
     with (
         mock.patch.object(_watchdog, "_store", lambda: store),
         mock.patch.object(dist, "get_rank", lambda: 0),
-        mock.patch.multiple(_watchdog, _world=world, _depth=1, _entered=time.monotonic() - 5),
+        mock.patch.multiple(
+            _watchdog, _world=world, _depth=1, _entered=time.monotonic() - 5, _seen=None
+        ),
         mock.patch.object(_watchdog, "_activity", "vescale.fsdp all-gather of block 0"),
     ):
         beat = threading.Thread(target=_watchdog._run, args=(world, 0, 3), daemon=True)
