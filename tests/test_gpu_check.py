@@ -1,7 +1,6 @@
 """``scripts/gpu_check.py --device cpu``: every check of the one-GPU script runs on CPU in the
-suite, so the script is ready for a GPU machine. A check passes, or is skipped for a reason
-that only a GPU lifts (CUDA graphs); :data:`KNOWN_GAPS` must still fail, so that fixing one
-forces this list (and the note in docs) to be updated."""
+suite, so the script is ready for a GPU machine. Every check passes, or is skipped for a
+reason that only a GPU lifts (CUDA graphs): the exact table is asserted."""
 
 from __future__ import annotations
 
@@ -13,8 +12,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE_ONLY = {"cuda_graphs"}  # skipped on CPU: needs a CUDA device
-# vescale's random ops do not run under LocalTensorMode (the mesh coordinate is per rank there)
-KNOWN_GAPS = {"sdpa_dropout_heads"}
 CHECKS = {
     "demo_gpt",
     "cuda_graphs",
@@ -53,11 +50,8 @@ def test_gpu_check_on_cpu(tmp_path):
     assert set(checks) == CHECKS, proc.stdout + proc.stderr
     assert len(lines) == len(CHECKS)  # one line per check
     status = {name: c["status"] for name, c in checks.items()}
-    expected = {
-        name: "SKIP" if name in DEVICE_ONLY else "FAIL" if name in KNOWN_GAPS else "PASS"
-        for name in CHECKS
-    }
+    expected = {name: "SKIP" if name in DEVICE_ONLY else "PASS" for name in CHECKS}
     assert status == expected, proc.stdout + proc.stderr
-    assert proc.returncode == (1 if KNOWN_GAPS else 0)
+    assert proc.returncode == 0
     trace = Path(checks["profiler_trace"]["detail"].split(" in ")[-1])
     assert json.loads(trace.read_text())["traceEvents"]

@@ -29,6 +29,7 @@ from vescale.dtensor.deferred_init import (
     materialize_module,
 )
 from vescale.plan import parallelize
+from vescale.profile import profile_step
 
 __version__ = "0.1.0"
 
@@ -51,6 +52,7 @@ __all__ = [
     "materialize_dtensor",
     "materialize_module",
     "parallelize",
+    "profile_step",
     "redistribute_dtensor",
     "to_local",
 ]

@@ -18,11 +18,13 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._guards import TracingContext, tracing
 from torch._library.opaque_object import MemberType, register_opaque_type
 from torch._logging import trace_structured
+from torch._prims.rng_prims import run_dtensor_rng_op
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed._functional_collectives import _are_we_tracing as are_we_tracing
-from torch.distributed._local_tensor import maybe_run_for_local_tensor
+from torch.distributed._local_tensor import _for_each_rank_run_func as for_each_rank_run
+from torch.distributed._local_tensor import enabled_local_tensor_mode, maybe_run_for_local_tensor
 from torch.distributed.device_mesh import _mesh_resources
 from torch.distributed.distributed_c10d import _get_default_store as default_store
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
@@ -48,6 +50,9 @@ from torch.distributed.tensor._ops.utils import (
 from torch.distributed.tensor._ops.utils import (
     register_op_strategy as upstream_register_op_strategy,
 )
+from torch.distributed.tensor._random import _calc_shard_info as shard_info
+from torch.distributed.tensor._random import _calc_shard_linear_idx as shard_linear_idx
+from torch.distributed.tensor._random import _PhiloxState as PhiloxState
 from torch.distributed.tensor._redistribute import (
     _gen_transform_infos as gen_transform_infos,
 )
@@ -91,6 +96,7 @@ __all__ = [
     "OpSpec",
     "OpStrategy",
     "OutputSharding",
+    "PhiloxState",
     "PreparedSingleDimStrategy",
     "StridedShard",
     "TensorMeta",
@@ -107,8 +113,10 @@ __all__ = [
     "current_graph_task_keep_graph",
     "default_store",
     "disable_current_modes",
+    "enabled_local_tensor_mode",
     "expand_to_full_mesh_op_strategy",
     "export_tracing_state",
+    "for_each_rank_run",
     "from_functional_tensor",
     "gen_transform_infos",
     "get_proxy_mode",
@@ -132,7 +140,10 @@ __all__ = [
     "register_opaque_type",
     "resolve_process_group",
     "return_and_correct_aliasing",
+    "run_dtensor_rng_op",
     "set_pg_timeout",
+    "shard_info",
+    "shard_linear_idx",
     "stable_topological_sort",
     "trace_structured",
     "tracing",

@@ -191,6 +191,7 @@ def _graph_compiler(
         sequence = [*calls, *ctx.reports["fingerprint"]]
         listened = _forwards and name.endswith(".forward")  # nobody asks: nothing to record
         cached = inductor_cache_key(compiled) if listened else None
+        compiled = _ranged(compiled, name)
         if cached is not None:
             forward = InductorForward(*cached, sequence, len(example_inputs), plain_aot_forward())
             for forwards in _forwards:
@@ -219,6 +220,18 @@ def _codegen(
                 raise
             _warn(f"{name} runs as captured (FX), Inductor failed", err)
     return make_boxed_func(gm.forward)
+
+
+def _ranged(compiled: Any, name: str) -> Any:
+    """``compiled`` (boxed) run inside the profiler range ``vescale::<name>``."""
+    label = f"vescale::{name}"
+
+    def run(args: list[Any]) -> Any:
+        with torch.profiler.record_function(label):
+            return compiled(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
 
 
 def _rank_checked(compiled: Any, name: str, sequence: list[str]) -> Any:
@@ -290,6 +303,7 @@ def compile_or_load(
         stage.detail = "not in Inductor's cache" if loaded is None else "Inductor's cached code"
     if loaded is None:
         return _compile(gm, example_inputs, opts, gid, explicit)
+    loaded = _ranged(loaded, name)
     boxed = _rank_checked(loaded, name, forward.sequence) if opts.rank_check else loaded
 
     def step(*args: Any) -> Any:

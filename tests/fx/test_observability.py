@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from tests.harness.chrome_trace import check_chrome_trace
 from tests.harness.simulated import fake_world
 from vescale.backend import PIPELINE
 from vescale.fx.timeline import LANES, chrome_trace
@@ -64,7 +65,7 @@ def test_torch_trace_holds_every_vescale_artifact(tmp_path):
         table = json.loads(found[f"vescale_{graph}_collectives"])
         assert all(r["graph"] == graph for r in table)
         trace = json.loads(found[f"vescale_{graph}_schedule"])
-        _check_chrome_trace(trace)
+        check_chrome_trace(trace)
     forward = json.loads(found["vescale_graph0.forward_collectives"])
     assert [r["kind"] for r in forward] == ["all_reduce"]  # the row-parallel output
 
@@ -82,26 +83,6 @@ def test_torch_logs_vescale(tmp_path):
     assert "after the passes" not in quiet and "vescale: compile graph0.forward ..." in quiet
 
 
-def _check_chrome_trace(trace: dict) -> None:  # type: ignore[type-arg]
-    """The Trace Event Format's rules for what schedule.json holds: complete (``X``) events
-    with integer pid/tid, numeric ts/dur >= 0 and an args object; every (pid, tid) used is
-    named by ``process_name``/``thread_name`` metadata (``M``) events."""
-    assert set(trace) >= {"traceEvents", "displayTimeUnit"}
-    named_pids, named_tids = set(), set()
-    for e in trace["traceEvents"]:
-        assert isinstance(e["name"], str) and isinstance(e["pid"], int)
-        assert isinstance(e["tid"], int) and isinstance(e["args"], dict)
-        if e["ph"] == "M":
-            assert e["name"] in ("process_name", "thread_name")
-            assert isinstance(e["args"]["name"], str)
-            (named_pids if e["name"] == "process_name" else named_tids).add((e["pid"], e["tid"]))
-        else:
-            assert e["ph"] == "X"
-            assert isinstance(e["ts"], int | float) and isinstance(e["dur"], int | float)
-            assert e["ts"] >= 0 and e["dur"] >= 0
-            assert (e["pid"], 0) in named_pids and (e["pid"], e["tid"]) in named_tids
-
-
 def test_schedule_json_is_a_chrome_trace_with_collective_args():
     with fake_world(2):
         group = dist.new_group([0, 1])
@@ -111,7 +92,7 @@ def test_schedule_json_is_a_chrome_trace_with_collective_args():
 
         gm = make_fx(fn, tracing_mode="fake")(torch.randn(256))
         trace = chrome_trace(gm, "g")
-    _check_chrome_trace(trace)
+    check_chrome_trace(trace)
     events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     comm = [e for e in events if e["tid"] == LANES["communication"]]
     assert [e["name"].split(" %")[0] for e in comm] == ["all_reduce"]

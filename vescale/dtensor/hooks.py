@@ -190,10 +190,13 @@ def python_dispatch(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     propagate: PropFn | None = None,
+    *,
+    local_op: Callable[..., Any] | None = None,
 ) -> Any:
     """Upstream's dispatch steps in Python; ``propagate(op_schema)`` replaces the strategy
     search when given and not returning ``NotImplemented`` (its specs may omit tensor meta: it
-    is then taken from the local result, assuming even shards)."""
+    is then taken from the local result, assuming even shards); ``local_op`` replaces ``op``
+    on the local tensors (e.g. run at per-shard random offsets)."""
     op_info = _dispatcher.unwrap_to_op_info(op, args, kwargs)
     mesh, schema = op_info.compute_mesh, op_info.schema
     assert schema is not None  # unwrap_to_op_info always builds the schema
@@ -206,7 +209,8 @@ def python_dispatch(
         if has_vescale_input(args, kwargs):
             out_spec = mark_vescale(out_spec)
         op_info.output_sharding = OutputSharding(out_spec)
-    local: Any = _dispatcher._dispatch_get_local_results_slow_path(op, args, op_info)
+    call: Any = local_op or op  # upstream calls it on the local tensors (and hashes it)
+    local: Any = _dispatcher._dispatch_get_local_results_slow_path(call, args, op_info)
     sharding = op_info.output_sharding
     assert sharding is not None
     if propagate is not None:

@@ -1,12 +1,15 @@
-"""Single-device-equivalent random numbers for sharded tensors.
+"""Random numbers for sharded tensors: single-device-equivalent on CPU, per shard on CUDA.
 
-A random op on a sharded tensor (a deferred parameter being materialized, ``nn.init.*`` or
-dropout on a ``DTensor``) gives every rank exactly the values the same op gives on one device
-under the same seed, at this rank's global indices, and leaves the generator in the state the
-single-device op leaves it in, so later random ops agree too. All ranks must start from the
-same generator state (``torch.manual_seed(s)`` everywhere). No communication is involved.
+**CPU** (the ``mt19937`` generator). A random op on a sharded tensor (a deferred parameter
+being materialized, ``nn.init.*``, ``rand_like``, ``bernoulli_`` or dropout on a ``DTensor``)
+gives every rank exactly the values the same op gives on one device under the same seed, at
+this rank's global indices, and leaves the generator in the state the single-device op leaves
+it in, so later random ops agree too. All ranks must start from the same generator state
+(``torch.manual_seed(s)`` everywhere). No communication is involved. Under
+``LocalTensorMode`` each simulated rank gets its own shard this way, from its own generator
+state.
 
-How the stream is partitioned (CPU, the ``mt19937`` generator, torch 2.13 kernels):
+How the stream is partitioned (torch 2.13 kernels):
 
 * ``uniform_`` (hence ``rand``, ``kaiming_uniform_``, ``xavier_uniform_``, ``trunc_normal_``)
   and ``bernoulli_(p)`` (hence CPU dropout) draw a fixed number of 32-bit words per element, in
@@ -27,12 +30,27 @@ the full tensor on one device. **Extra memory is bounded** by two per-thread scr
 of ``PIECE_ELEMENTS + 16`` elements per dtype (1 MiB each for float32; kept between ops so
 per-op reallocation cannot fragment the heap), the selected part of one piece (at most a
 piece), one int64 per shard row of the leading dims walked, and the per-dim index sets.
-
 Anything else (half/bfloat16 ``normal_``, tensors under 16 elements, non-contiguous global
-layouts, ``bernoulli_`` on Intel CPUs where torch uses MKL's stream, other random ops, CUDA
-generators whose Philox consumption depends on the launch configuration) is generated in
-full for that one tensor and sliced: exact by construction, with extra memory bounded by the
-size of that single tensor, released before the next one.
+layouts, ``bernoulli_`` on Intel CPUs where torch uses MKL's stream, other random ops) is
+generated in full for that one tensor and sliced: exact by construction, with extra memory
+bounded by the size of that single tensor, released before the next one.
+
+**CUDA** (:data:`PHILOX_DEVICES`: a counter-based Philox generator, a seed and an offset,
+whose per-element draws depend on the kernel's launch configuration). A random op on a
+DTensor, dropout included (``native_dropout``: the fused kernel), runs on the local shard
+only: memory and work O(shard). The shard draws at :func:`philox_offsets` past the
+generator's offset (shards numbered as upstream's ``OffsetBasedRNGTracker`` numbers them,
+spaced by the largest shard's element count), the same on replicas and Partial mesh dims,
+disjoint between shards, and every rank then moves the generator by the same amount. The
+contract: the values are a deterministic function of the seed, the global shape and how the
+tensor is sharded (mesh dims that only replicate it do not matter), independent between
+shards; **they are not one device's draw**, and another sharding draws other values. A
+tensor that no mesh dim of more than one rank shards runs the op as one device does (same
+values, same generator advance). SDPA's flash and memory-efficient kernels with
+``dropout_p > 0`` on DTensors draw each (batch, head) shard's mask at the offsets of that
+shard of a ``(B, H, L, max(S, 32))`` virtual tensor (:func:`sdpa_dropout_spec`); the kernel
+returns its seed and offset, so the backward redraws that mask. Deferred init
+(:func:`run_random`) on CUDA still generates each tensor in full and slices it (exact).
 """
 
 from __future__ import annotations
@@ -48,20 +66,36 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale._torch_compat import DTensorSpec, TensorMeta
+from vescale._torch_compat import (
+    DTensorSpec,
+    PhiloxState,
+    StridedShard,
+    TensorMeta,
+    enabled_local_tensor_mode,
+    for_each_rank_run,
+    run_dtensor_rng_op,
+    shard_info,
+    shard_linear_idx,
+)
 from vescale.dtensor.dtensor import new_dtensor
-from vescale.dtensor.hooks import bypass_dispatch
+from vescale.dtensor.hooks import bypass_dispatch, output_spec, python_dispatch
 from vescale.dtensor.inflight import wait_local
 from vescale.dtensor.layout import contiguous_strides, local_indices
-from vescale.dtensor.placement_types import Partial, Replicate
+from vescale.dtensor.placement_types import Partial, Replicate, Shard
 from vescale.dtensor.redistribute import replicate_to_partial
 
 __all__ = [
+    "PHILOX_DEVICES",
     "PIECE_ELEMENTS",
     "RandomOp",
+    "draw_on_shard",
+    "philox_offsets",
     "random_op_of",
+    "run_at_philox",
     "run_random",
+    "sdpa_dropout_spec",
     "take_local",
+    "uses_philox",
 ]
 
 PIECE_ELEMENTS = 1 << 18
@@ -322,6 +356,106 @@ def _scatter(stream: _Stream, shape: list[int], indices: Indices, out: torch.Ten
     out[tuple(w[keep] for w in where)] = tail[keep]
 
 
+# ---- CUDA: each rank draws its shard from its own Philox offsets -----------------------
+
+PHILOX_DEVICES = frozenset({"cuda"})
+"""Device types whose generator is a counter-based Philox stream (a seed and an offset):
+random ops on DTensors there run on the local shard only, at per-shard offsets."""
+
+
+def _philox_layout(spec: Any) -> bool:
+    """Whether ``spec``'s placements are ones :func:`philox_offsets` numbers shards of."""
+    return all(isinstance(p, Shard | StridedShard | Replicate | Partial) for p in spec.placements)
+
+
+def uses_philox(device: torch.device, spec: Any) -> bool:
+    """Whether a random op on a DTensor of ``spec`` with local tensors on ``device`` draws
+    per shard from Philox offsets (see the module docstring) rather than single-device."""
+    return device.type in PHILOX_DEVICES and _philox_layout(spec)
+
+
+def philox_offsets(spec: Any, coordinate: Sequence[int]) -> tuple[int, int]:
+    """``(start, end)``: the shard at mesh ``coordinate`` draws from the Philox stream
+    ``start`` past the generator's offset, which every rank then moves ``end`` past where it
+    was. Shards are numbered as upstream's ``OffsetBasedRNGTracker`` numbers them (its
+    ``_calc_shard_info`` / ``_calc_shard_linear_idx``: replicas of a shard, and Partial mesh
+    dims, get the same number); shard ``i`` starts at ``i * step``, ``step`` the largest
+    shard's element count rounded up to a multiple of 4 (CUDA offsets are), so every shard
+    has at least its element count of offsets to itself, and ``end`` covers all shards and
+    at least the whole tensor's count (the offset one device's op would move by, rounded)."""
+    idx, counts = shard_info(list(coordinate), spec)
+    first = local_indices(spec.shape, spec.mesh, spec.placements, [0] * spec.mesh.ndim)
+    step = -(-math.prod(len(ix) for ix in first) // 4) * 4
+    whole = -(-math.prod(spec.shape) // 4) * 4
+    return int(shard_linear_idx(idx, counts)) * step, max(whole, math.prod(counts) * step)
+
+
+def run_at_philox(
+    start: int,
+    end: int,
+    op: Callable[..., Any],
+    *args: Any,
+    generator: torch.Generator | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``op(*args, **kwargs)`` drawing ``start`` past the CUDA generator's offset (the
+    default one, or ``generator``), which is then left ``end`` past where it was. The default
+    generator goes through upstream's ``run_dtensor_rng_op`` (traceable: the offsets are
+    constants of a compiled graph)."""
+    if generator is None:
+        return run_dtensor_rng_op(start, end, op, *args, **kwargs)
+    state = PhiloxState(generator.get_state())
+    before = state.offset.clone()
+    state.offset = before + start
+    generator.set_state(state.state)
+    try:
+        return op(*args, generator=generator, **kwargs)
+    finally:
+        state.offset = before + end
+        generator.set_state(state.state)
+
+
+def draw_on_shard(
+    spec: Any,
+    coordinate: Sequence[int] | None,
+    op: Callable[..., Any],
+    *args: Any,
+    generator: torch.Generator | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``op(*args, **kwargs)`` (``args[0]``: the shard of ``spec`` at mesh ``coordinate``,
+    ``None`` off the mesh) on a Philox device: as on one device when no mesh dim shards the
+    tensor (every rank holds all of it: the same values and generator advance as one
+    device's), else through :func:`run_at_philox` at :func:`philox_offsets`."""
+    coord = list(coordinate) if coordinate is not None else [0] * spec.mesh.ndim
+    counts = shard_info(coord, spec)[1]
+    if math.prod(counts) == 1:
+        extra = {} if generator is None else {"generator": generator}
+        return op(*args, **kwargs, **extra)
+    start, end = philox_offsets(spec, coord)
+    return run_at_philox(start, end, op, *args, generator=generator, **kwargs)
+
+
+def _philox_values(
+    rop: RandomOp,
+    spec: Any,
+    local: torch.Tensor,
+    coordinate: list[int] | None,
+    p: tuple[torch.Tensor, bool] | None,
+) -> torch.Tensor:
+    """``rop`` on ``local`` itself at this shard's Philox offsets (off the mesh: on the empty
+    local tensor, the generator advanced as on the mesh)."""
+    args = rop.args
+    if p is not None:
+        probs, is_local = p
+        if not is_local and coordinate is not None:
+            indices = local_indices(spec.shape, spec.mesh, spec.placements, coordinate)
+            probs = take_local(probs.expand(spec.shape), indices)
+        args = (probs, *args[1:])
+    draw_on_shard(spec, coordinate, rop.op, local, *args, generator=rop.generator)
+    return local
+
+
 # ---- DTensor random ops ----------------------------------------------------------------
 
 _RANDOM_FROM = getattr(aten.random_, "from")
@@ -371,66 +505,128 @@ def _bernoulli_tensor_is_uniform(dtype: torch.dtype) -> bool:
     return torch.equal(g.get_state(), h.get_state()) and torch.equal(out, (u < p).float())
 
 
-def _fill_values(
-    op: torch._ops.OpOverload, rop: RandomOp, spec: Any, local: torch.Tensor
+def _bernoulli_by_uniform(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``bernoulli_`` with a ``dtype`` tensor ``p`` on ``device`` is drawn piecewise as
+    ``uniform_ < p``."""
+    return device.type == "cpu" and _bernoulli_tensor_is_uniform(dtype)
+
+
+def _probability_source(
+    op: torch._ops.OpOverload, p: Any, spec: Any, on_mesh: bool, by_shard: bool
+) -> tuple[torch.Tensor, bool]:
+    """``bernoulli_``'s probabilities before the per-rank fill: ``(this rank's shard, True)``
+    for a DTensor laid out like the output when drawn shard by shard, else ``(a tensor
+    broadcasting to the global shape, False)``; any other DTensor is replicated first (its
+    collective, on every rank of the mesh). Off the mesh only the words drawn matter."""
+    from vescale.dtensor.explicit import redistribute_for
+
+    if not on_mesh:
+        return torch.zeros((), dtype=p.dtype), False
+    if not isinstance(p, _UpstreamDTensor):
+        return torch.as_tensor(p), False
+    same = tuple(p._spec.placements) == tuple(spec.placements) and p.shape == spec.shape
+    if by_shard and same and not any(x.is_partial() for x in spec.placements):
+        return wait_local(p._local_tensor), True
+    replicated = redistribute_for(op, p, [Replicate()] * p.device_mesh.ndim)
+    return wait_local(replicated._local_tensor), False
+
+
+def _values(
+    rop: RandomOp,
+    spec: Any,
+    local: torch.Tensor,
+    indices: Indices | None,
+    p: tuple[torch.Tensor, bool] | None,
 ) -> torch.Tensor | None:
-    """The single-device values of ``rop`` on the global tensor of ``spec`` at this rank's
-    indices (``None`` off the mesh, where the generator is only advanced)."""
+    """The single-device values of ``rop`` on the global tensor of ``spec`` at ``indices``
+    (``None`` off the mesh, where the generator is only advanced); ``p``: ``bernoulli_``'s
+    probabilities from :func:`_probability_source`."""
     device = local.device
-    indices = (
-        local_indices(spec.shape, spec.mesh, spec.placements)
-        if spec.mesh._is_current_rank_part_of_mesh()
-        else None
-    )
-    if rop.op is not aten.bernoulli_.Tensor:
+    if p is None:
         return run_random(rop, spec.shape, local.dtype, device, indices, stride=spec.stride)
-    p = rop.args[0]
-    uniform = device.type == "cpu" and _bernoulli_tensor_is_uniform(p.dtype)
-    if indices is None:  # off the mesh only the words drawn matter, not p's values
-        p = torch.zeros((), dtype=p.dtype)
-    else:  # the bounded fallback needs p everywhere
-        p = _probabilities(op, p, spec, indices if uniform else None)
+    probs, is_local = p
+    uniform = _bernoulli_by_uniform(device, probs.dtype)
+    if not is_local:
+        full = probs.expand(spec.shape)
+        probs = full if indices is None or not uniform else take_local(full, indices)
     if uniform:
         u = run_random(
-            RandomOp(_UNIFORM, (0.0, 1.0), rop.generator), spec.shape, p.dtype, device, indices
+            RandomOp(_UNIFORM, (0.0, 1.0), rop.generator), spec.shape, probs.dtype, device, indices
         )
-        return None if u is None else (u < p).to(local.dtype)
-    whole = RandomOp(rop.op, (p,), rop.generator)
+        return None if u is None else (u < probs).to(local.dtype)
+    whole = RandomOp(rop.op, (probs,), rop.generator)  # the bounded fallback: p everywhere
     return run_random(whole, spec.shape, local.dtype, device, indices, stride=spec.stride)
 
 
-def _probabilities(op: torch._ops.OpOverload, p: Any, spec: Any, indices: Indices | None) -> Any:
-    """``bernoulli_``'s probabilities at ``indices`` (all of them, broadcast, for ``None``):
-    a DTensor laid out like the output is used locally, any other is replicated."""
-    from vescale.dtensor.explicit import redistribute_for
+def _per_simulated_rank(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``; under ``LocalTensorMode`` once per simulated rank (LocalTensors and
+    per-rank ints given as that rank's values, with the mode off), each from that rank's own
+    generator states, which it advances: upstream's ``maybe_run_for_local_tensor`` starts all
+    ranks from the one global state and leaves theirs as they were."""
+    mode = enabled_local_tensor_mode()
+    if mode is None:
+        return fn(*args)
 
-    if not isinstance(p, _UpstreamDTensor):
-        full = torch.as_tensor(p).expand(spec.shape)
-        return full if indices is None else take_local(full, indices)
-    same = tuple(p._spec.placements) == tuple(spec.placements) and p.shape == spec.shape
-    if indices is not None and same and not any(x.is_partial() for x in spec.placements):
-        return wait_local(p._local_tensor)
-    replicated = redistribute_for(op, p, [Replicate()] * p.device_mesh.ndim)
-    full = wait_local(replicated._local_tensor).expand(spec.shape)
-    return full if indices is None else take_local(full, indices)
+    def on_rank(*rank_args: Any) -> Any:
+        with mode.disable():
+            return fn(*rank_args)
+
+    return for_each_rank_run(on_rank, mode.ranks, args, {}, alias=False)
+
+
+def _fill_rank(
+    rop: RandomOp,
+    spec: Any,
+    local: torch.Tensor,
+    coordinate: list[int] | None,
+    p: tuple[torch.Tensor, bool] | None,
+    start: torch.Tensor | None,
+) -> None:
+    """Fill this rank's ``local`` (at mesh ``coordinate``, ``None`` off the mesh) in place;
+    ``start``: the state to put ``rop``'s own generator in first (LocalTensorMode runs this
+    once per simulated rank, each from the same state)."""
+    if start is not None and rop.generator is not None:
+        rop.generator.set_state(start)
+    if uses_philox(local.device, spec):
+        values: torch.Tensor | None = _philox_values(rop, spec, local, coordinate, p)
+    else:
+        indices = (
+            None
+            if coordinate is None
+            else local_indices(spec.shape, spec.mesh, spec.placements, coordinate)
+        )
+        values = _values(rop, spec, local, indices, p)
+    if values is None or coordinate is None:
+        return
+    for mesh_dim, placement in enumerate(spec.placements):
+        if isinstance(placement, Partial):
+            values = replicate_to_partial(values, placement.reduce_op, coordinate[mesh_dim])
+    if values is not local:
+        local.copy_(values.view(local.shape))
 
 
 def _fill(op: torch._ops.OpOverload, rop: RandomOp, dt: _UpstreamDTensor) -> None:
     """Fill ``dt`` in place with ``rop``'s single-device values; a Partial mesh dim holds them
     as :func:`replicate_to_partial` lays a replicated value out. On a meta mesh there are no
-    values to draw (shapes only) and no generator advances."""
+    values to draw (shapes only) and no generator advances. Under ``LocalTensorMode`` each
+    simulated rank gets its own shard of the values, every rank's generator advancing as one
+    device's does."""
     spec = dt._spec
     if spec.mesh.device_type == "meta":
         return
-    local = dt._local_tensor
-    values = _fill_values(op, rop, spec, local)
-    if values is None:
-        return
-    for mesh_dim, p in enumerate(spec.placements):
-        if isinstance(p, Partial):
-            coordinate = spec.mesh.get_local_rank(mesh_dim)
-            values = replicate_to_partial(values, p.reduce_op, coordinate)
-    local.copy_(values.view(local.shape))
+    mesh_coordinate = spec.mesh.get_coordinate()
+    on_mesh = mesh_coordinate is not None
+    coordinate = list(mesh_coordinate) if mesh_coordinate is not None else None
+    p = None
+    if rop.op is aten.bernoulli_.Tensor:
+        probs = rop.args[0]
+        dtype = probs.dtype if isinstance(probs, torch.Tensor) else torch.float32
+        device = dt._local_tensor.device
+        by_shard = _bernoulli_by_uniform(device, dtype) or uses_philox(device, spec)
+        p = _probability_source(op, probs, spec, on_mesh, by_shard)
+    simulated = enabled_local_tensor_mode() is not None and rop.generator is not None
+    start = rop.generator.get_state() if simulated and rop.generator is not None else None
+    _per_simulated_rank(_fill_rank, rop, spec, dt._local_tensor, coordinate, p, start)
 
 
 def _dtensor_random(
@@ -439,6 +635,13 @@ def _dtensor_random(
     """An in-place random ``op`` on a DTensor (see :data:`INPLACE_RANDOM_OPS`)."""
     _fill(op, random_op_of(op, args, kwargs), args[0])
     return args[0]
+
+
+def _like_spec(spec: Any, dtype: torch.dtype, stride: Sequence[int]) -> DTensorSpec:
+    """The spec of a new tensor laid out like ``spec`` (its Partial mesh dims replicated)."""
+    placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+    meta = TensorMeta(spec.shape, tuple(stride), dtype)
+    return DTensorSpec(spec.mesh, placements, tensor_meta=meta)
 
 
 def _dtensor_random_like(
@@ -457,11 +660,7 @@ def _dtensor_random_like(
     local = torch.empty_like(
         dt._local_tensor, dtype=dtype, memory_format=fmt if keep else torch.contiguous_format
     )
-    placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
-    meta = TensorMeta(spec.shape, tuple(stride), dtype)
-    out = new_dtensor(
-        local, DTensorSpec(spec.mesh, placements, tensor_meta=meta), requires_grad=False
-    )
+    out = new_dtensor(local, _like_spec(spec, dtype, stride), requires_grad=False)
     _fill(op, RandomOp(inplace, fill_args, kwargs.get("generator")), out)
     return out
 
@@ -471,8 +670,22 @@ def _native_dropout(
 ) -> tuple[Any, Any]:
     """``native_dropout`` as ATen's CPU kernel computes it: a ``bernoulli_(1 - p)`` bool mask
     laid out like the input (Partial mesh dims replicated), ``out = x * mask * 1 / (1 - p)``
-    (linear in ``x``, so a Partial input stays Partial)."""
+    (linear in ``x``, so a Partial input stays Partial). On a Philox device: the device's
+    fused kernel on this rank's shard at its offsets (:func:`philox_offsets`)."""
     x, p, train = (*args, None)[:3]
+    if uses_philox(x._local_tensor.device, x._spec):
+        coordinate = x._spec.mesh.get_coordinate()
+        local_out, local_mask = _per_simulated_rank(
+            _philox_dropout,
+            x._spec,
+            wait_local(x._local_tensor),
+            list(coordinate) if coordinate is not None else None,
+            p,
+            train,
+        )
+        mask_spec = _like_spec(x._spec, torch.bool, x._spec.stride)
+        out = new_dtensor(local_out, x._spec, requires_grad=False)
+        return out, new_dtensor(local_mask, mask_spec, requires_grad=False)
     mask = _dtensor_random_like(aten.bernoulli.p, (x, 1.0 - p), {"dtype": torch.bool})
     local = x._local_tensor
     if train is False:
@@ -483,6 +696,76 @@ def _native_dropout(
         out_local = local.mul(mask._local_tensor).mul_(scale)
     out = new_dtensor(out_local, x._spec, requires_grad=False)
     return out, mask
+
+
+def _philox_dropout(
+    spec: Any, local: torch.Tensor, coordinate: list[int] | None, p: float, train: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``native_dropout`` on one rank's shard at its Philox offsets."""
+    return draw_on_shard(spec, coordinate, aten.native_dropout.default, local, p, train)  # type: ignore[no-any-return]
+
+
+# ---- SDPA's fused kernels: dropout masks per (batch, head) shard ------------------------
+
+_SDPA_DROPOUT = (
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+)
+
+
+def _dropout_p(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    i = [a.name for a in op._schema.arguments].index("dropout_p")
+    return args[i] if i < len(args) else kwargs.get("dropout_p", 0.0)
+
+
+def _sdpa_draws_per_shard(
+    op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> bool:
+    q = args[0]
+    return (
+        isinstance(q, _UpstreamDTensor)
+        and _dropout_p(op, args, kwargs) > 0
+        and uses_philox(q._local_tensor.device, q._spec)
+    )
+
+
+def sdpa_dropout_spec(out: Any, key_length: int) -> DTensorSpec:
+    """The virtual tensor whose shards number SDPA's dropout offsets: ``(B, H, L,
+    max(S, 32))`` laid out as the attention output ``out`` (``(B, H, L, E)``). Its shard's
+    element count bounds what the local kernel reserves (memory-efficient: ``B * H * L * S``
+    offsets, one per attention weight; flash: ``32`` per (batch, head))."""
+    b, h, length = out.shape[:3]
+    shape = torch.Size((b, h, length, max(key_length, 32)))
+    meta = TensorMeta(shape, contiguous_strides(shape), out.tensor_meta.dtype)
+    return DTensorSpec(out.mesh, tuple(out.placements), tensor_meta=meta)
+
+
+@dataclass(frozen=True, eq=False)  # hashed by identity (a simulated coordinate is unhashable)
+class _AtShardOffsets:
+    """A local kernel run at the Philox offsets of the shard of ``spec`` at ``coordinate``
+    (under LocalTensorMode: each simulated rank at its own)."""
+
+    op: torch._ops.OpOverload
+    spec: DTensorSpec
+    coordinate: tuple[Any, ...]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _per_simulated_rank(self._on_rank, list(self.coordinate), args, kwargs)
+
+    def _on_rank(self, coordinate: list[int], args: Any, kwargs: dict[str, Any]) -> Any:
+        return draw_on_shard(self.spec, coordinate, self.op, *args, **kwargs)
+
+
+@bypass_dispatch(_SDPA_DROPOUT, when=_sdpa_draws_per_shard)
+def _sdpa_dropout(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Flash / memory-efficient attention with dropout: the sharding upstream's strategy picks
+    (its ``rng_state`` outputs replicated), each rank's kernel drawing its mask at the Philox
+    offsets of its (batch, head) shard, the same on replicas (:func:`sdpa_dropout_spec`).
+    The kernel returns the seed and offset it used, so the backward redraws that mask."""
+    out = output_spec(op, args, kwargs)[0]
+    spec = sdpa_dropout_spec(out, args[1].shape[-2])
+    coordinate = tuple(args[0].device_mesh.get_coordinate() or ())  # this process's mesh
+    return python_dispatch(op, args, kwargs, local_op=_AtShardOffsets(op, spec, coordinate))
 
 
 # off_mesh: ranks outside the mesh advance their generator too (same offsets as on it)

@@ -22,6 +22,10 @@ is a CompositeImplicitAutograd decomposition that DTensor's dispatch never sees 
 DTensors :func:`sdpa_math`, an autograd-level kernel in the seam, passes that mask as a
 replicated DTensor, and refuses a plain ``attn_mask`` with an error naming the layout.
 (Inference mode skips autograd kernels; upstream DTensor's matmul fails there anyway.)
+
+Dropout's random state: on CPU (the math path) the mask is a DTensor random op, one device's
+values; the CUDA flash / memory-efficient kernels draw each (batch, head) shard's mask at its
+own Philox offsets (:mod:`vescale.dtensor.random`, ``sdpa_dropout_spec``).
 """
 
 from __future__ import annotations
