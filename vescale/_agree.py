@@ -20,20 +20,17 @@ passes at once.
 
 from __future__ import annotations
 
-import datetime
 import itertools
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from vescale._env import env_seconds
 from vescale._torch_compat import default_store
+from vescale._watchdog import ENV, active, collective, timeout
 
 __all__ = ["ENV", "AgreementError", "active", "all_equal", "gather", "side_group", "timeout"]
 
-ENV = "VESCALE_TIMEOUT_S"
-DEFAULT_S = 600.0
 _KEY = "vescale/agree/rank{}"
 _groups: dict[int, dist.ProcessGroup] = {}
 _count = itertools.count()
@@ -41,16 +38,6 @@ _count = itertools.count()
 
 class AgreementError(RuntimeError):
     """Some ranks did not reach a check: not within :func:`timeout`, or a peer is gone."""
-
-
-def timeout() -> datetime.timedelta:
-    """``VESCALE_TIMEOUT_S`` (a positive number of seconds; default 600)."""
-    return datetime.timedelta(seconds=env_seconds(ENV, DEFAULT_S))
-
-
-def active() -> bool:
-    """Whether checks communicate: a real default group of more than one rank."""
-    return dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
 
 
 def side_group() -> dist.ProcessGroup:
@@ -88,7 +75,8 @@ def _missing(n: int) -> str:
 
 def _run(what: str, n: int, fn: Any) -> Any:
     try:
-        return fn()
+        with collective(f"check {what!r}", explain=False):
+            return fn()
     except RuntimeError as err:
         text = str(err)
         if "imed out" in text:

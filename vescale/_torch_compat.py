@@ -28,6 +28,7 @@ from torch.distributed._local_tensor import enabled_local_tensor_mode, maybe_run
 from torch.distributed.device_mesh import _mesh_resources
 from torch.distributed.distributed_c10d import _get_default_store as default_store
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
+from torch.distributed.distributed_c10d import _set_pg_timeout as set_pg_timeout
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 from torch.distributed.tensor import _dispatch as upstream_dispatch_module
 from torch.distributed.tensor._collective_utils import mesh_scatter, redistribute_cost
@@ -121,6 +122,8 @@ __all__ = [
     "get_proxy_mode",
     "get_proxy_slot",
     "global_optimizer_pre_hooks",
+    "group_timeout",
+    "has_cpu_backend",
     "inductor_cache_key",
     "inductor_config_patch",
     "inductor_mode_options",
@@ -138,6 +141,7 @@ __all__ = [
     "resolve_process_group",
     "return_and_correct_aliasing",
     "run_dtensor_rng_op",
+    "set_pg_timeout",
     "shard_info",
     "shard_linear_idx",
     "stable_topological_sort",
@@ -173,6 +177,16 @@ def compute_local_shape_at(
         list(global_shape), list(mesh_shape), list(coordinate), placements, skip_offset=True
     )
     return tuple(int(s) for s in shape)
+
+
+def has_cpu_backend(group: Any) -> bool:
+    """Whether ``group`` runs collectives of CPU tensors (gloo, or ``"cuda:nccl,cpu:gloo"``)."""
+    return torch.device("cpu") in group._device_types
+
+
+def group_timeout(group: Any) -> Any:
+    """The timeout (``timedelta``) of ``group``'s backend for its first device type."""
+    return group._get_backend(group._device_types[0]).options._timeout
 
 
 def bucket_merge_fns() -> dict[str, Any]:

@@ -3,7 +3,8 @@ rank) run here instead of in the long-lived pool.
 
 ``run_fresh(world_size, fn, *args, env=..., timeout_s=...)`` starts ``world_size`` new
 processes (forkserver, the pool's preload), each joins a new gloo group and runs the
-module-level ``fn(*args)``; it returns each rank's outcome in rank order, ``("ok", value)`` or
+module-level ``fn(*args)`` (``init_group=False``: no group is joined; ``MASTER_ADDR``,
+``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE`` are set, as torchrun sets them); it returns each rank's outcome in rank order, ``("ok", value)`` or
 ``("err", "ExcClass: message")``, plus the seconds the rank took, and ``("lost", "")`` for a
 rank that reported nothing before ``timeout_s`` (killed then). Every process is gone when it
 returns.
@@ -32,22 +33,27 @@ def _rank_main(
     env: dict[str, str],
     results: Any,
     path: list[str],
+    init_group: bool,
 ) -> None:
     sys.path[:] = path
     os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
     import torch
     import torch.distributed as dist
 
     import vescale  # noqa: F401
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=120),
-    )
+    if init_group:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=120),
+        )
     start = time.perf_counter()
     try:
         out: tuple[str, Any] = ("ok", _resolve(*target)(*args))
@@ -65,6 +71,7 @@ def run_fresh(
     *args: Any,
     env: dict[str, str] | None = None,
     timeout_s: float = 120.0,
+    init_group: bool = True,
 ) -> list[Outcome]:
     """Each rank's outcome of ``fn(*args)`` in fresh processes (see the module doc)."""
     ctx = _context()
@@ -75,7 +82,17 @@ def run_fresh(
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(r, world_size, port, target, args, env or {}, results, list(sys.path)),
+                args=(
+                    r,
+                    world_size,
+                    port,
+                    target,
+                    args,
+                    env or {},
+                    results,
+                    list(sys.path),
+                    init_group,
+                ),
                 daemon=True,
             )
             for r in range(world_size)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import vescale
 from tests.dtensor.reference import coord_of, expected_local, mesh_of
-from tests.harness.collectives import count_collectives
+from tests.harness.collectives import C10D_KINDS, KINDS, count_collectives
 from tests.harness.misuse import error_everywhere
 from vescale import Replicate, Shard
 from vescale.dtensor.local_metadata import LocalRecord, check_records
@@ -130,7 +130,7 @@ def _uneven(mesh_shape, placements, names=None):
     local = expected_local(full, mesh_shape, coord_of(mesh_shape), placements).clone()
     mesh = vescale.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     vescale.from_local(local, mesh, placements)  # any first-use setup outside the count
-    with count_collectives() as counts:
+    with count_collectives({**KINDS, **C10D_KINDS}) as counts:  # metadata: a host all-gather
         d = vescale.from_local(local, mesh, placements)
     assert d.shape == full.shape and d.stride() == full.stride()
     assert torch.equal(d.full_tensor(), full)

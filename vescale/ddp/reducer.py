@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
+from vescale._watchdog import collective
 from vescale.ddp.bucketing import DEFAULT_BUCKET_CAP_MB, cap_bytes, joins
 from vescale.dtensor.dtensor import from_local, redistribute_dtensor
 from vescale.dtensor.flat_groups import flattened_mesh
@@ -87,6 +88,14 @@ def _all_gather_object(obj: Any, group: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def _what(bucket: _Bucket) -> str:
+    """The bucket's all-reduce, for the heartbeat."""
+    return (
+        f"vescale.ddp all-reduce of gradient bucket {bucket.index} ({len(bucket.params)} "
+        f"parameters, {bucket.dtype}) over mesh dims {list(bucket.dims)}"
+    )
 
 
 def _digits(n: int) -> int:
@@ -155,7 +164,9 @@ class Reducer:
             if key is not None:
                 mine[i] = key[1:]
         seen: dict[int, set[tuple[tuple[int, ...], int]]] = {}
-        for theirs in _all_gather_object(mine, self._agreement_group()):
+        with collective("vescale.ddp: the first backward's agreement on the reductions"):
+            everyone = _all_gather_object(mine, self._agreement_group())
+        for theirs in everyone:
             for i, key in theirs.items():
                 seen.setdefault(i, set()).add(key)
         clash = {self.named[i][0]: sorted(keys) for i, keys in seen.items() if len(keys) > 1}
@@ -278,8 +289,9 @@ class Reducer:
             flat = torch.cat(pieces)
             merged = flattened_mesh(bucket.mesh, bucket.dims)
             groups = [merged] if merged is not None else [(bucket.mesh, d) for d in bucket.dims]
-            for group in groups:
-                flat = funcol.all_reduce(flat, "sum", group)
+            with collective(_what(bucket)):
+                for group in groups:
+                    flat = funcol.all_reduce(flat, "sum", group)
             bucket.flat = flat
 
     def _finish(self) -> None:
@@ -296,7 +308,8 @@ class Reducer:
             self._issue(bucket)
         checked: list[torch.Tensor] = []
         for bucket in self.buckets:
-            flat = wait_local(bucket.flat)  # type: ignore[arg-type]
+            with collective(_what(bucket)):
+                flat = wait_local(bucket.flat)  # type: ignore[arg-type]
             n = flat.numel() - len(bucket.params) * self._flag_width()
             flags = flat[n:]
             used_somewhere: list[float] = []

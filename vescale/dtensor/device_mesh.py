@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -11,8 +12,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh as _UpstreamDeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _upstream_init_device_mesh
 
-from vescale._torch_compat import _mesh_resources, disable_current_modes
-from vescale.dtensor.flat_groups import flatten_mesh_dims
+from vescale import _watchdog
+from vescale._torch_compat import _mesh_resources, disable_current_modes, set_pg_timeout
+from vescale.dtensor.flat_groups import flatten_mesh_dims, flattened_meshes
 
 __all__ = ["DeviceMesh", "as_vescale_mesh", "init_device_mesh", "known_meshes"]
 
@@ -27,6 +29,8 @@ def register_mesh(mesh: Any) -> None:
     """Remember ``mesh`` (weakly) so reports can name the mesh dim of a process group."""
     _meshes[:] = [(r, w) for r, w in _meshes if r() is not None]
     _meshes.append((weakref.ref(mesh), _world()))
+    if mesh.device_type != "meta":
+        _watchdog.start()
 
 
 def known_meshes() -> list[Any]:
@@ -89,7 +93,10 @@ class DeviceMesh(_UpstreamDeviceMesh):
         if device_type == "meta":
             upstream_kwargs.setdefault("_init_backend", False)
             upstream_kwargs.setdefault("_rank", dist.get_rank() if dist.is_initialized() else 0)
+        user_world = _world()
         super().__init__(device_type, mesh, mesh_dim_names=mesh_dim_names, **upstream_kwargs)
+        if upstream_kwargs.get("_init_backend", True):
+            _set_timeouts(self, _watchdog.timeout(), user_world)
         register_mesh(self)
 
     def get_dim_groups(
@@ -240,18 +247,54 @@ def init_device_mesh(
     mesh_shape: tuple[int, ...],
     *,
     mesh_dim_names: tuple[str, ...] | None = None,
+    timeout: datetime.timedelta | float | None = None,
     **kwargs: Any,
 ) -> DeviceMesh:
-    """As upstream ``init_device_mesh``; ``device_type="meta"`` builds a meta mesh."""
+    """As upstream ``init_device_mesh``; ``device_type="meta"`` builds a meta mesh.
+
+    ``timeout`` (a ``timedelta`` or seconds; default ``VESCALE_TIMEOUT_S``, 600 s) is the
+    collective timeout of the groups this call creates: the mesh dim and flattened groups, and
+    the default group when none exists yet (initialized here, as upstream does, with this
+    timeout). A default group created before keeps its own timeout."""
     check_device_type(device_type, "init_device_mesh")
+    limit = _timeout(timeout)
     if device_type == "meta":
         ranks = torch.arange(int(torch.Size(mesh_shape).numel()), dtype=torch.int)
         return DeviceMesh("meta", ranks.reshape(mesh_shape), mesh_dim_names=mesh_dim_names)
+    user_world = _world()
+    if user_world is None:
+        dist.init_process_group(timeout=limit)
     mesh = as_vescale_mesh(
         _upstream_init_device_mesh(device_type, mesh_shape, mesh_dim_names=mesh_dim_names, **kwargs)
     )
     flatten_mesh_dims(mesh)  # multi-dim reductions: one collective over the flattened group
+    _set_timeouts(mesh, limit, user_world)
     return mesh
+
+
+def _timeout(value: datetime.timedelta | float | None) -> datetime.timedelta:
+    """``init_device_mesh``'s ``timeout=`` as a positive ``timedelta``."""
+    if value is None:
+        return _watchdog.timeout()
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        value = datetime.timedelta(seconds=value)
+    if not isinstance(value, datetime.timedelta) or not value.total_seconds() > 0:
+        raise ValueError(
+            f"init_device_mesh: timeout={value!r} is not a positive timedelta or number of seconds"
+        )
+    return value
+
+
+def _set_timeouts(mesh: DeviceMesh, limit: datetime.timedelta, user_world: Any) -> None:
+    """``limit`` on the groups of ``mesh`` and its flattened meshes, but ``user_world`` (the
+    default group that existed before: the user's)."""
+    if getattr(mesh, "_dim_group_names", None) is None or dist.get_backend() == "fake":
+        return
+    meshes = [mesh, *(m for m in flattened_meshes(mesh).values() if m is not None)]
+    groups = {id(g): g for m in meshes for g in m.get_all_groups()}
+    for group in groups.values():
+        if group is not user_world:
+            set_pg_timeout(limit, group)
 
 
 def devices_per_host(device_type: str) -> int:

@@ -49,7 +49,13 @@ from vescale.dtensor._recording import record_placements, record_redistribute
 from vescale.dtensor.device_mesh import DeviceMesh
 from vescale.dtensor.inflight import wait_local
 from vescale.dtensor.layout import chunk_sizes, contiguous_strides, dense_strides
-from vescale.dtensor.local_metadata import LocalRecord, check_records, gather_records
+from vescale.dtensor.local_metadata import (
+    LocalRecord,
+    check_records,
+    gather_records,
+    gathered_shapes,
+    mesh_coordinates,
+)
 from vescale.dtensor.placement_types import (
     Placement,
     Replicate,
@@ -187,15 +193,29 @@ def _comm_device(mesh: Any) -> torch.device:
 def _gathered_global_shape(
     local: torch.Tensor, mesh: Any, placements: Sequence[Placement]
 ) -> list[int]:
-    """Global shape from the local sizes on every rank (innermost mesh dim first)."""
+    """Global shape from the local sizes on every rank (innermost mesh dim first): one host
+    all-gather of every rank's local shape (:func:`gathered_shapes`), else (a sub-mesh on
+    device-only groups) one device all-gather per sharded mesh dim."""
     shape = list(local.shape)
+    everyone = gathered_shapes(shape, mesh)
+    coords = mesh_coordinates(mesh) if everyone is not None else {}
+    me = mesh.get_coordinate()
     for mesh_dim in reversed(range(mesh.ndim)):
         p = placements[mesh_dim]
         n = mesh.size(mesh_dim)
         if not isinstance(p, Shard) or n == 1:
             continue
-        mine = torch.tensor([shape[p.dim]], dtype=torch.int64, device=_comm_device(mesh))
-        sizes = funcol.all_gather_single(mine, 0, (mesh, mesh_dim)).tolist()
+        if everyone is None:
+            mine = torch.tensor([shape[p.dim]], dtype=torch.int64, device=_comm_device(mesh))
+            sizes = funcol.all_gather_single(mine, 0, (mesh, mesh_dim)).tolist()
+        else:  # each line along this mesh dim (the other coordinates fixed): its sizes
+            lines: dict[tuple[int, ...], list[int]] = {}
+            for r, c in coords.items():
+                lines.setdefault(_other(c, mesh_dim), [0] * n)[c[mesh_dim]] = everyone[r][p.dim]
+            sizes = lines[_other(me, mesh_dim)]
+            for r, c in coords.items():  # each rank's size from now on: its line's total
+                dims = everyone[r]
+                everyone[r] = (*dims[: p.dim], sum(lines[_other(c, mesh_dim)]), *dims[p.dim + 1 :])
         total = sum(sizes)
         if sizes != chunk_sizes(total, n):
             raise ValueError(
@@ -205,6 +225,11 @@ def _gathered_global_shape(
             )
         shape[p.dim] = total
     return shape
+
+
+def _other(coordinate: Sequence[int], mesh_dim: int) -> tuple[int, ...]:
+    """A mesh coordinate without ``mesh_dim``: the line along ``mesh_dim`` it lies on."""
+    return (*coordinate[:mesh_dim], *coordinate[mesh_dim + 1 :])
 
 
 def _broadcast_replicated(

@@ -9,6 +9,11 @@ what the previous gathered. Every rank then applies the same rules to the same r
 (:func:`check_records`) and raises the same error, naming the ranks that differ and what
 differs, or derives the same global shape. A record longer than the buffer (a huge shape or
 error text) costs every rank a second all-gather, sized by the longest record.
+
+The bytes travel on the host (:func:`host_groups`): CPU tensors over the mesh's groups when
+they have a CPU backend (gloo, ``"cuda:nccl,cpu:gloo"``), else over vescale's gloo side group
+(:func:`vescale._agree.side_group`) when the mesh spans the world; no device tensor is read
+back. Only a sub-mesh whose groups have no CPU backend gathers a device tensor (then ``.cpu()``).
 """
 
 from __future__ import annotations
@@ -23,12 +28,21 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from vescale._torch_compat import compute_local_shape_at
+from vescale import _agree
+from vescale._torch_compat import compute_local_shape_at, has_cpu_backend
 from vescale.dtensor.flat_groups import flattened_mesh
 from vescale.dtensor.inflight import wait_local
 from vescale.dtensor.layout import contiguous_shards, local_range
 
-__all__ = ["RECORD_BYTES", "LocalRecord", "check_records", "gather_records"]
+__all__ = [
+    "RECORD_BYTES",
+    "LocalRecord",
+    "check_records",
+    "gather_records",
+    "gathered_shapes",
+    "host_groups",
+    "mesh_coordinates",
+]
 
 RECORD_BYTES = 256
 """Bytes per rank in the first all-gather (a 4-byte length, then the record's JSON)."""
@@ -107,35 +121,72 @@ def _groups(mesh: Any) -> list[dist.ProcessGroup]:
     return [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
 
 
-def _all_gather(row: torch.Tensor, groups: list[dist.ProcessGroup]) -> list[bytes]:
-    """Every rank's ``row`` (bytes), after chained all-gathers over ``groups``."""
-    out = row
-    for group in groups:
-        out = wait_local(funcol.all_gather_single(out.contiguous(), 0, group))
-    raw = out.cpu().numpy().tobytes()
-    n = row.numel()
-    return [raw[i : i + n] for i in range(0, len(raw), n)]
+def host_groups(mesh: Any) -> list[dist.ProcessGroup] | None:
+    """Groups whose chained all-gathers of CPU tensors reach every rank of ``mesh``: its own
+    when each has a CPU backend, else vescale's gloo side group when ``mesh`` spans the world;
+    ``None``: neither (a sub-mesh on device-only groups)."""
+    groups = _groups(mesh)
+    if all(has_cpu_backend(g) for g in groups):
+        return groups
+    if mesh.size() == dist.get_world_size():
+        return [_agree.side_group()]
+    return None
 
 
-def _padded(data: bytes, size: int, device: torch.device) -> torch.Tensor:
-    row = torch.zeros(size, dtype=torch.uint8)
-    row[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return row.to(device)
+def _all_gather(data: bytes, size: int, mesh: Any, device: torch.device) -> list[bytes]:
+    """Every rank's ``data`` (zero-padded to ``size`` bytes), in no particular order."""
+    groups = host_groups(mesh)
+    raw: bytes | bytearray
+    if groups is None:  # device-only groups: a device tensor, read back once
+        row = torch.zeros(size, dtype=torch.uint8)
+        row[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = row.to(device)
+        for group in _groups(mesh):
+            out = wait_local(funcol.all_gather_single(out.contiguous(), 0, group))
+        raw = out.cpu().numpy().tobytes()
+    else:  # host bytes in a bytearray a CPU tensor views: nothing is read from a tensor
+        raw = bytearray(data.ljust(size, b"\0"))
+        for group in groups:
+            gathered = bytearray(len(raw) * dist.get_world_size(group))
+            dist.all_gather_single(
+                torch.frombuffer(gathered, dtype=torch.uint8),
+                torch.frombuffer(raw, dtype=torch.uint8),
+                group=group,
+            )
+            raw = gathered
+    return [bytes(raw[i : i + size]) for i in range(0, len(raw), size)]
 
 
 def gather_records(mine: LocalRecord, mesh: Any, device: torch.device) -> list[LocalRecord]:
     """Every rank of ``mesh``'s record, by rank (one all-gather, see the module doc)."""
     data = mine.encode()
-    groups = _groups(mesh)
     head = len(data).to_bytes(4, "little") + data[: RECORD_BYTES - 4]
-    rows = _all_gather(_padded(head, RECORD_BYTES, device), groups)
+    rows = _all_gather(head, RECORD_BYTES, mesh, device)
     lengths = [int.from_bytes(r[:4], "little") for r in rows]
     if max(lengths) <= RECORD_BYTES - 4:
         payloads = [r[4 : 4 + n] for r, n in zip(rows, lengths)]
     else:  # every rank sees the same lengths, so every rank takes this branch
-        rows = _all_gather(_padded(data, max(lengths), device), groups)
+        rows = _all_gather(data, max(lengths), mesh, device)
         payloads = [r[:n] for r, n in zip(rows, lengths)]
-    return sorted((LocalRecord.decode(p) for p in payloads), key=lambda r: r.rank)
+    records = {r.rank: r for r in map(LocalRecord.decode, payloads)}
+    return [records[r] for r in sorted(records)]
+
+
+def gathered_shapes(shape: Sequence[int], mesh: Any) -> dict[int, tuple[int, ...]] | None:
+    """Every rank of ``mesh``'s local ``shape`` by rank, exchanged on the host (one all-gather,
+    :func:`host_groups`); ``None`` where no host route exists."""
+    if host_groups(mesh) is None:
+        return None
+    mine = [dist.get_rank(), *shape]
+    data = b"".join(int(v).to_bytes(8, "little", signed=True) for v in mine)
+    rows = _all_gather(data, len(data), mesh, torch.device("cpu"))
+    out = {}
+    for row in rows:
+        values = [
+            int.from_bytes(row[i : i + 8], "little", signed=True) for i in range(0, len(row), 8)
+        ]
+        out[values[0]] = tuple(values[1:])
+    return out
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -170,7 +221,7 @@ Shapes = dict[int, tuple[int, ...]]  # rank -> local shape
 _COORDS: weakref.WeakKeyDictionary[Any, dict[int, tuple[int, ...]]] = weakref.WeakKeyDictionary()
 
 
-def _coordinates(mesh: Any) -> dict[int, tuple[int, ...]]:
+def mesh_coordinates(mesh: Any) -> dict[int, tuple[int, ...]]:
     """Rank -> its mesh coordinate, for every rank of ``mesh`` (cached: ``mesh.mesh`` is
     rebuilt on every read upstream)."""
     if mesh not in _COORDS:
@@ -310,7 +361,7 @@ def check_records(
             f"must have the same size on every rank"
         )
     given = records[0].given
-    coords = _coordinates(mesh)
+    coords = mesh_coordinates(mesh)
     gshape = given[0] if given is not None else _global_shape(shapes, coords, pl)
     _misfit(shapes, coords, mesh, pl, gshape, spec_placements(gshape), given is None)
     return gshape

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
+from vescale._watchdog import collective
 from vescale.dtensor.deferred_init import is_deferred, materialize_dtensor
 from vescale.dtensor.dtensor import _comm_device, from_local, new_dtensor
 from vescale.dtensor.layout import contiguous_strides
@@ -196,6 +197,14 @@ class FlatGroup:
     def _pg(self) -> Any:
         return self.mesh.get_group(self.shard_dim)
 
+    def _what(self, kind: str) -> str:
+        """``kind`` of this block's buffer over its group, for the heartbeat (host facts
+        only: the heartbeat thread reads the text)."""
+        return (
+            f"vescale.fsdp {kind} of {len(self.names)} parameters from {self.names[0]!r} "
+            f"({self._full_numel} elements) over mesh dim {self.shard_dim} ({self.world} ranks)"
+        )
+
     def set_post_forward_world(self, k: int) -> None:
         """Reshard to groups of ``k`` consecutive ranks of the mesh after forward (makes the
         groups: every rank calls it at the same point)."""
@@ -253,7 +262,8 @@ class FlatGroup:
         every rank's share."""
         self.gather(backward)
         if self._work is not None:
-            self._work[0].wait()
+            with collective(self._what("all-gather")):
+                self._work[0].wait()
             self._work = None
 
     def free(self) -> None:
@@ -319,10 +329,11 @@ class FlatGroup:
         if self._pending is None:
             return
         work, reduced, _ = self._pending
-        work.wait()
+        with collective(self._what("reduce-scatter")):
+            work.wait()
         self._pending = None
         if self.replicas > 1:
-            with _record("vescale.fsdp::all_reduce"):
+            with _record("vescale.fsdp::all_reduce"), collective(self._what("replica all-reduce")):
                 dist.all_reduce(reduced, group=self.mesh.get_group(0))
         factor = self.divide_factor or self.world * self.replicas
         reduced = reduced.to(self.shard.dtype).div_(factor)  # the sum over ranks -> mean

@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from vescale import _progress
+from vescale._watchdog import collective, timeout
 from vescale.plan.memory import Memory
 from vescale.plan.propagate import NodeStrategies, Placements, Value
 from vescale.plan.validate import PlanError
@@ -642,9 +643,11 @@ T = TypeVar("T")
 @functools.cache
 def _patient_group() -> dist.ProcessGroup:
     """The world on gloo with a timeout longer than any solve: the other ranks wait for rank
-    0's choice in it (the default group's timeout may be shorter than a large solve)."""
-    seconds = BACKSTOP * MAX_TIME_LIMIT_S + BACKSTOP_S + 600
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
+    0's choice in it (the default group's timeout may be shorter than a large solve); a rank
+    stuck for ``VESCALE_TIMEOUT_S`` beyond the longest solve is an error."""
+    seconds = BACKSTOP * MAX_TIME_LIMIT_S + BACKSTOP_S
+    limit = datetime.timedelta(seconds=seconds) + timeout()
+    group = dist.new_group(backend="gloo", timeout=limit)
     assert group is not None
     return group
 
@@ -675,7 +678,8 @@ def on_first_rank(fn: Callable[[], T], what: str, group: dist.ProcessGroup) -> T
             pickle.dumps(box)  # a result that cannot be sent fails here, not in the broadcast
         except Exception as err:  # any failure: every rank must hear of it
             box, cause = [("error", f"{type(err).__name__}: {err}")], err
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    with collective(f"vescale.parallelize: {what} (the broadcast of rank 0's result)"):
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     status, value = box[0]
     if status == "error":
         raise PlanError(f"vescale.parallelize: {what} failed on rank 0: {value}") from cause

@@ -1,0 +1,102 @@
+"""A stuck rank (``SIGSTOP``) is an error on the ranks waiting for it, naming it and the
+collective, within ``VESCALE_TIMEOUT_S`` plus a few seconds; the timeout reaches the groups
+vescale creates; the knobs are parsed strictly."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import vescale
+from tests.harness.fresh import run_fresh
+from vescale import _watchdog
+from vescale._torch_compat import group_timeout
+from vescale.ddp import DistributedDataParallel
+
+
+def _ddp_step_one_rank_stops(stopped: int) -> str:
+    mesh = vescale.init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    torch.manual_seed(0)
+    net = DistributedDataParallel(nn.Linear(4, 4), dp_mesh=mesh)
+    net(torch.randn(2, 4)).sum().backward()  # a first step on every rank
+    time.sleep(2 * _watchdog.BEAT_S)  # a beat after it: rank 2's last collective is known
+    loss = net(torch.randn(2, 4)).sum()
+    if dist.get_rank() == stopped:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    loss.backward()
+    return "no error"
+
+
+def test_a_stopped_rank_is_named_on_the_others():
+    timeout_s = 4
+    *waiting, stopped = run_fresh(
+        3,
+        _ddp_step_one_rank_stops,
+        2,
+        env={"VESCALE_TIMEOUT_S": str(timeout_s)},
+        init_group=False,
+        timeout_s=45,
+    )
+    assert stopped[0] == "lost"
+    for rank, (kind, msg, seconds) in enumerate(waiting):
+        assert kind == "err", (rank, msg)
+        assert msg.startswith(f"StuckRankError: vescale: rank {rank} waited "), msg
+        assert (
+            " s in vescale.ddp all-reduce of gradient bucket 0 (2 parameters, torch.float32) "
+            "over mesh dims [0], which it misses: rank 2 silent for "
+        ) in msg, msg
+        assert (
+            "(stopped, hung or gone), at its last heartbeat in: vescale.ddp all-reduce of "
+            "gradient bucket 0 (2 parameters, torch.float32) over mesh dims [0] ("
+        ) in msg, msg
+        assert seconds < timeout_s + 10, (rank, seconds)
+
+
+def _timeouts(given: float | None) -> list[float]:
+    mesh = vescale.init_device_mesh("cpu", (1, 2), timeout=given)
+    groups = [mesh.get_group(0), mesh.get_group(1), dist.group.WORLD]
+    dist.barrier()  # rank 0 hosts the store: no rank leaves before the others are done with it
+    return [group_timeout(g).total_seconds() for g in groups]
+
+
+def test_init_device_mesh_timeout_reaches_the_groups_it_creates():
+    # the harness's default group (120 s) is the user's: kept; the size-1 dim's groups are new
+    assert [out[:2] for out in run_fresh(2, _timeouts, 77.0, timeout_s=60)] == [
+        ("ok", [77.0, 120.0, 120.0])
+    ] * 2
+    # no default group yet: vescale initializes it, with VESCALE_TIMEOUT_S
+    env = {"VESCALE_TIMEOUT_S": "33"}
+    assert [
+        out[:2] for out in run_fresh(2, _timeouts, None, env=env, init_group=False, timeout_s=60)
+    ] == [("ok", [33.0, 33.0, 33.0])] * 2
+
+
+@pytest.mark.parametrize("value", ["-2", "soon", ""])
+def test_a_wrong_timeout_is_an_error_naming_it(monkeypatch, value):
+    monkeypatch.setenv("VESCALE_TIMEOUT_S", value)
+    with pytest.raises(ValueError, match=f"VESCALE_TIMEOUT_S={value!r} is not a positive number"):
+        vescale.init_device_mesh("meta", (2,))
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "600", True])
+def test_a_wrong_timeout_argument_is_an_error(value):
+    with pytest.raises(ValueError, match=f"init_device_mesh: timeout={value!r} is not a positive"):
+        vescale.init_device_mesh("meta", (2,), timeout=value)
+
+
+def test_a_timedelta_timeout_is_accepted():
+    assert vescale.init_device_mesh("meta", (2,), timeout=datetime.timedelta(seconds=5)).ndim == 1
+
+
+@pytest.mark.parametrize("value", ["maybe", "", "2"])
+def test_a_wrong_watchdog_switch_is_an_error_naming_it(monkeypatch, value):
+    monkeypatch.setenv("VESCALE_WATCHDOG", value)
+    with pytest.raises(ValueError, match=f"VESCALE_WATCHDOG={value!r} is not a boolean"):
+        _watchdog.start()
