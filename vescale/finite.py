@@ -36,13 +36,16 @@ from vescale._env import env_flag
 from vescale._patches import restore_entry, set_entry
 from vescale._stack import user_line_of_stack
 from vescale._torch_compat import (
+    AsyncCollectiveTensor,
     TorchDispatchMode,
+    are_we_tracing,
     current_autograd_node,
+    current_graph_task_id,
     global_optimizer_pre_hooks,
     make_boxed_func,
     tree_map,
 )
-from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR, user_source
+from vescale.fx.collectives import COLLECTIVE_KINDS, user_source
 
 __all__ = ["ENV", "NonFiniteError", "check_finite", "enabled", "from_env", "interpreted"]
 
@@ -87,6 +90,8 @@ def _local(t: Any) -> torch.Tensor | None:
     """The floating-point local values of ``t`` (a DTensor's shard), else None."""
     if isinstance(t, _UpstreamDTensor):
         t = t._local_tensor
+    if isinstance(t, AsyncCollectiveTensor):
+        t = t.elem  # read once waited: by the op that takes it
     if not isinstance(t, torch.Tensor) or t.device.type == "meta":
         return None
     return t if t.is_floating_point() or t.is_complex() else None
@@ -116,11 +121,12 @@ def _buffer(t: torch.Tensor) -> int:
 def _where() -> str:
     if _state.node is not None:
         return _state.node
-    node = current_autograd_node()
-    if node is not None:
-        return f"backward, {node.name()}"
+    phase = "forward"
+    if current_graph_task_id() != -1:
+        node = current_autograd_node()
+        phase = "backward" if node is None else f"backward, {node.name()}"
     line = user_line_of_stack("".join(traceback.format_stack()))
-    return f"forward, {line}" if line else "forward"
+    return f"{phase}, {line}" if line else phase
 
 
 class _FiniteMode(TorchDispatchMode):
@@ -132,24 +138,22 @@ class _FiniteMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        _state.ops += 1
-        if _state.first is not None:
+        if _state.first is not None or are_we_tracing():  # tracing: a lazy backward compile
             return out
+        _state.ops += 1
         if func in COLLECTIVE_KINDS:  # its buffer is read once waited
             for t in _tensors(out):
                 _state.pending[_buffer(t)] = COLLECTIVE_KINDS[func]
             return out
         if _finite(_tensors(out)):
             return out
-        name = str(func)
-        if func is WAIT_TENSOR:
-            kind = next((_state.pending.get(_buffer(t)) for t in _tensors(args)), None)
-            how, name = "received", kind or "a collective"
-        elif _finite(_tensors((args, kwargs))):
-            how = "produced"
+        bad = [t for t in _tensors((args, kwargs)) if not _finite([t])]
+        kinds = [_state.pending[b] for t in bad if (b := _buffer(t)) in _state.pending]
+        if kinds:
+            record = Record(_state.ops, "received", kinds[0], _where())
         else:
-            how = "input"
-        _state.first = Record(_state.ops, how, name, _where())
+            record = Record(_state.ops, "input" if bad else "produced", str(func), _where())
+        _state.first = record
         return out
 
 
