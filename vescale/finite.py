@@ -129,6 +129,17 @@ def _where() -> str:
     return f"{phase}, {line}" if line else phase
 
 
+_aten = torch.ops.aten
+_UNINITIALIZED = {  # outputs hold whatever memory held: not values the program made
+    _aten.empty,
+    _aten.empty_like,
+    _aten.empty_strided,
+    _aten.empty_permuted,
+    _aten.new_empty,
+    _aten.new_empty_strided,
+}
+
+
 class _FiniteMode(TorchDispatchMode):
     """Records the first non-finite op output on this rank (see the module doc)."""
 
@@ -141,6 +152,8 @@ class _FiniteMode(TorchDispatchMode):
         if _state.first is not None or are_we_tracing():  # tracing: a lazy backward compile
             return out
         _state.ops += 1
+        if func.overloadpacket in _UNINITIALIZED:
+            return out
         if func in COLLECTIVE_KINDS:  # its buffer is read once waited
             for t in _tensors(out):
                 _state.pending[_buffer(t)] = COLLECTIVE_KINDS[func]
