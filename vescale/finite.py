@@ -154,6 +154,8 @@ class _FiniteMode(TorchDispatchMode):
         _state.ops += 1
         if func.overloadpacket in _UNINITIALIZED:
             return out
+        if func.is_view:  # aliases its input: no values of its own
+            return out
         if func in COLLECTIVE_KINDS:  # its buffer is read once waited
             for t in _tensors(out):
                 _state.pending[_buffer(t)] = COLLECTIVE_KINDS[func]

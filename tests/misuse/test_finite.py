@@ -136,7 +136,7 @@ def _tp(nan: bool) -> None:
 def test_tensor_parallel_nan_is_named(pool2):
     err = error_everywhere(pool2, _tp, True)
     assert err.message.startswith(
-        f"vescale: non-finite values at step 1: first produced by aten.t.default (forward, {HERE}:"
+        f"vescale: non-finite values at step 1: first produced by aten.mm.default (forward, {HERE}:"
     ), err.message
     assert "on rank 1, from a non-finite input (batch, parameter); " in err.message, err.message
     assert "rank 0 received them through all_reduce (forward, " in err.message, err.message
