@@ -11,7 +11,9 @@ arose: *produced* (its inputs were finite), *received* (the result of a collecti
 (the batch, a parameter). It names the phase: ``forward`` (any op outside backward, with the
 user's ``file.py:line``), ``backward`` (with the autograd node), or a compiled graph's FX node
 and its user line (graphs that ``backend="vescale"`` compiles while the check is on run node
-by node, :func:`interpreted`). Collectives' buffers are read only once waited.
+by node, :func:`interpreted`). Functional collectives' buffers are read only once waited;
+view ops and uninitialized outputs (``empty``) are not checked; ``torch.distributed``'s
+in-place collectives are not seen (what they bring counts as a non-finite input).
 
 A global optimizer step pre-hook (through ``vescale._patches``) gathers every rank's record
 and whether its gradients are finite (``vescale._agree.gather``: the side gloo group, never
