@@ -5,7 +5,7 @@ Importing ``vescale`` registers the ``vescale`` torch.compile backend and instal
 DTensors or listed in ``docs/torch-changes.md``).
 """
 
-from vescale import _patches, fsdp
+from vescale import _patches, finite, fsdp
 from vescale import backend as _backend
 from vescale.dtensor import (
     DeviceMesh,
@@ -28,6 +28,7 @@ from vescale.dtensor.deferred_init import (
     materialize_dtensor,
     materialize_module,
 )
+from vescale.finite import NonFiniteError, check_finite
 from vescale.plan import parallelize
 from vescale.profile import profile_step
 
@@ -37,12 +38,14 @@ __all__ = [
     "DTensor",
     "DeviceMesh",
     "InterleavedShard",
+    "NonFiniteError",
     "Partial",
     "Placement",
     "RaggedShard",
     "Replicate",
     "Shard",
     "__version__",
+    "check_finite",
     "deferred_init",
     "distribute_tensor",
     "from_local",
@@ -59,3 +62,4 @@ __all__ = [
 
 _patches.install()
 _backend.register()
+finite.from_env()

@@ -110,6 +110,8 @@ __all__ = [
     "compute_global_tensor_info",
     "compute_local_shape_and_global_offset",
     "compute_local_shape_at",
+    "current_autograd_node",
+    "current_graph_task_id",
     "current_graph_task_keep_graph",
     "default_store",
     "disable_current_modes",
@@ -163,6 +165,8 @@ PreparedSingleDimStrategy = _PreparedSingleDimStrategy
 disable_current_modes = _disable_current_modes
 
 current_graph_task_keep_graph = torch._C._autograd._get_current_graph_task_keep_graph
+current_autograd_node = torch._C._current_autograd_node  # the autograd Node running now, or None
+current_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 """Inside a backward: whether the running graph task retains the graph (``retain_graph``)."""
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from vescale import _progress
+from vescale import _progress, finite
 from vescale._torch_compat import (
     DYNAMO_COMPILER_FNS,
     aot_autograd,
@@ -209,7 +209,10 @@ def _codegen(
     mode: dict[str, Any],
 ) -> Any:
     """Inductor under ``mode``'s config patches (falling back to the captured FX graph if it
-    fails; a backward compiled as one, ``is_backward=True``) or FX, boxed."""
+    fails; a backward compiled as one, ``is_backward=True``) or FX, boxed; node by node while
+    the non-finite check is on."""
+    if finite.enabled():
+        return finite.interpreted(gm, name)
     if opts.codegen == "inductor":
         compile_fx_inner, _, _ = inductor_pieces()
         try:
