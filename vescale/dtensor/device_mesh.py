@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh as _UpstreamDeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _upstream_init_device_mesh
 
 from vescale._torch_compat import _mesh_resources, disable_current_modes
+from vescale.dtensor.explicit_env import agree_env_state
 from vescale.dtensor.flat_groups import flatten_mesh_dims
 
 __all__ = ["DeviceMesh", "as_vescale_mesh", "init_device_mesh", "known_meshes"]
@@ -91,6 +92,8 @@ class DeviceMesh(_UpstreamDeviceMesh):
             upstream_kwargs.setdefault("_rank", dist.get_rank() if dist.is_initialized() else 0)
         super().__init__(device_type, mesh, mesh_dim_names=mesh_dim_names, **upstream_kwargs)
         register_mesh(self)
+        if upstream_kwargs.get("_init_backend", True):
+            agree_env_state()  # made its groups, collectively over the world
 
     def get_dim_groups(
         self, mesh_dim: int | None = None
@@ -242,7 +245,9 @@ def init_device_mesh(
     mesh_dim_names: tuple[str, ...] | None = None,
     **kwargs: Any,
 ) -> DeviceMesh:
-    """As upstream ``init_device_mesh``; ``device_type="meta"`` builds a meta mesh."""
+    """As upstream ``init_device_mesh``; ``device_type="meta"`` builds a meta mesh. The first
+    mesh checks that ``VESCALE_DISABLE_REDISTRIBUTE`` agrees across ranks
+    (:func:`~vescale.dtensor.explicit_env.agree_env_state`)."""
     check_device_type(device_type, "init_device_mesh")
     if device_type == "meta":
         ranks = torch.arange(int(torch.Size(mesh_shape).numel()), dtype=torch.int)
@@ -251,6 +256,7 @@ def init_device_mesh(
         _upstream_init_device_mesh(device_type, mesh_shape, mesh_dim_names=mesh_dim_names, **kwargs)
     )
     flatten_mesh_dims(mesh)  # multi-dim reductions: one collective over the flattened group
+    agree_env_state()
     return mesh
 
 
