@@ -222,8 +222,10 @@ _UNEVEN = (
 )
 _RECOMPILED = (
     "; the ranks run different compiles of one graph (Dynamo compile ids differ): a rank "
-    "recompiled alone, as its guards (e.g. on a local batch size) failed there only; give "
-    "every rank the same shapes, or mark such sizes dynamic from the start "
+    "recompiled alone, as its guards (e.g. on a local batch size) failed there only"
+)
+_MARK_DYNAMIC = (
+    "; give every rank the same shapes, or mark such sizes dynamic from the start "
     "(torch._dynamo.mark_dynamic) so that no rank recompiles alone"
 )
 _EXPLICIT = (
@@ -327,11 +329,10 @@ def _message(everyone: list[_Entry]) -> str:
         )
         shown = mode if explicit_differs else ""
         lines.append(f"  rank {rank}: {e.name} (compile {e.compile_id}){shown}, {what}")
-    cause = ""
-    if i is not None and any(i < len(s) and _is_call(s[i]) for s in seqs):
-        cause += _UNEVEN
+    uneven = i is not None and any(i < len(s) and _is_call(s[i]) for s in seqs)
+    cause = _UNEVEN if uneven else ""
     if len({e.identity for e in everyone}) == 1 and len({e.compile_id for e in everyone}) > 1:
-        cause += _RECOMPILED
+        cause += _RECOMPILED if uneven else _RECOMPILED + _MARK_DYNAMIC
     if explicit_differs:
         cause += _EXPLICIT
     return (
