@@ -375,7 +375,8 @@ def _compile(
     except ImplicitRedistributionError as err:
         if not (opts.rank_check and active()):
             raise
-        return _failed_after_check(graph.check(f"graph{gid}.forward", calls, [], (), str(err)), err)
+        failure = str(err).splitlines()[0]  # Dynamo appends the graph node and traceback
+        return _failed_after_check(graph.check(f"graph{gid}.forward", calls, [], (), failure), err)
     except RankDivergenceError:
         raise
     except Exception as err:

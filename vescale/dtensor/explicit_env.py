@@ -7,7 +7,8 @@ the first vescale ``DeviceMesh`` made over process groups (``init_device_mesh``,
 ``DeviceMesh(...)`` creating its groups, both collective over the world): one
 :func:`vescale._agree.all_equal`, once per default group; where the ranks' settings differ,
 every rank raises the same ``ValueError`` naming each rank's value (an explicit-mode error on
-some ranks while others communicate would hang them).
+some ranks while others communicate would hang them). A value that is not a boolean on every
+rank raises where explicit mode is read, as without a mesh.
 """
 
 from __future__ import annotations
@@ -65,5 +66,4 @@ def agree_env_state() -> None:
             f"every rank (else an op raises on some ranks while the others wait for its "
             f"collective): set it the same on every rank, e.g. in the launcher's environment"
         )
-    _agreed.add(id(dist.group.WORLD))
-    env_state()  # every rank's value is the same: a bad one raises the same error everywhere
+    _agreed.add(id(dist.group.WORLD))  # a bad value, the same everywhere, raises where read
