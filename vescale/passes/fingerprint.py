@@ -21,9 +21,10 @@ compile id) and its entry where the sequences first differ (a ``from_local`` cal
 collective, or the end of a shorter sequence). A graph with even-shard ``from_local`` calls is
 checked at every call (its correctness depends on the other ranks' local shapes: an uneven
 last batch recompiles on one rank only, and that rank's new graph and the others' cached one
-meet in this check); other graphs at their first run, unless a graph of the same digest
-passed already (a rank that recompiled alone into the same collectives needs no check, so it
-never waits for ranks that run their cached graph). A rank that does not arrive is
+meet in this check); other graphs at their first run, except a recompile whose digest passed
+already (a rank that recompiled alone into the same collectives, e.g. plain-tensor DDP on an
+uneven batch, must not wait for ranks that run their cached graph; it issues what they
+do). A rank that does not arrive is
 :mod:`vescale._agree`'s ``AgreementError`` after ``VESCALE_TIMEOUT_S``, naming it and its last
 check.
 """
@@ -272,6 +273,11 @@ class RankCheck:
         text = [self.identity, f"explicit={self.explicit[0]}", f"failure={self.failure}"]
         self.digest = _digest("\n".join(text + [_key(x) for x in self.sequence()]))
 
+    @property
+    def recompiled(self) -> bool:
+        """Whether Dynamo compiled this graph's frame before (compile id ``f/c``, ``c > 0``)."""
+        return self.compile_id.rpartition("/")[2] not in ("0", "?")
+
     def sequence(self, sizes: Sizes | None = None) -> list[str]:
         """The ``from_local`` calls (shapes at ``sizes``) then the collectives."""
         return [*(c.line(sizes) for c in self.calls), *self.collectives]
@@ -284,7 +290,7 @@ class RankCheck:
             return
         self.checked = True
         agreed = _agreed.setdefault(id(dist.group.WORLD), set())
-        if not self.every_call and self.digest in agreed:
+        if not self.every_call and self.recompiled and self.digest in agreed:
             return
         sizes = {name: int(args[i]) for name, i in self.size_args.items()}
         check_rank_consistency(self, sizes)
