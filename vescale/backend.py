@@ -236,7 +236,7 @@ class _DynamoGraph(NamedTuple):
 
     @classmethod
     def of(cls, gm: torch.fx.GraphModule, explicit: tuple[bool, str]) -> _DynamoGraph:
-        compile_id = str(getattr(gm, "meta", {}).get("dynamo_compile_id") or "?")
+        compile_id = str(gm.meta.get("dynamo_compile_id") or "?")
         return cls(compile_id.partition("/")[0], compile_id, explicit)
 
     def check(

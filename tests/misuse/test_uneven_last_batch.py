@@ -25,8 +25,9 @@ from torch import nn
 import vescale
 from tests.dtensor.reference import mesh_of
 from tests.harness.collectives import count_collectives
+from tests.harness.fresh import run_fresh
 from tests.harness.misuse import error_everywhere
-from vescale import Replicate, Shard, _agree
+from vescale import Partial, Replicate, Shard, _agree
 from vescale.ddp import DistributedDataParallel
 
 BATCHES = [(4, 4), (4, 4), (4, 3)]  # local rows of each step on ranks 0 and 1
@@ -201,3 +202,34 @@ def test_agreeing_ranks_communicate_one_digest_per_checked_call(pool2):
         for counts, training in pool2.run(_side_group_calls, from_local):
             assert counts == Counter({"side all_reduce": checks}), (from_local, counts)
             assert training == {"all_gather": 1}, training  # the graph's own, nothing more
+
+
+def _recompiled_alone_into_other_collectives() -> None:
+    """``shape=`` given (no even-shard assumption: checked at the first run only), but the
+    all-reduce's shape is the local batch's: rank 1's recompile issues another collective."""
+    mesh = vescale.init_device_mesh("cpu", (2,))
+
+    def f(t):
+        x = vescale.from_local(t, mesh, [Partial()], shape=t.shape, stride=t.stride())
+        return x.redistribute(placements=[Replicate()]).to_local()
+
+    step = torch.compile(f, backend="vescale", options={"codegen": "fx"})
+    for rows in BATCHES:
+        step(torch.ones(rows[dist.get_rank()], 6))
+
+
+def test_a_rank_that_recompiled_alone_does_not_wait_forever():
+    """What the first-run check cannot make an error everywhere (docs/compiler.md#rank-check):
+    rank 1 waits in its check, then raises naming rank 0's last check (fresh ranks: rank 0 is
+    left in a collective)."""
+    outcomes = run_fresh(
+        2, _recompiled_alone_into_other_collectives, env={"VESCALE_TIMEOUT_S": "5"}
+    )
+    kind, text, seconds = outcomes[1]
+    assert kind == "err", outcomes
+    assert re.fullmatch(
+        r"AgreementError: vescale: rank check of graph\d+\.forward: not every rank reached this "
+        r"check within 5 s \(VESCALE_TIMEOUT_S\): rank 0: last at rank check of graph\d+\.forward",
+        text,
+    ), text
+    assert seconds < 30, outcomes

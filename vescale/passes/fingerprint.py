@@ -246,7 +246,7 @@ class _Entry(NamedTuple):
     sequence: list[str]
 
 
-_agreed: dict[int, set[int]] = {}  # per default group: digests of graphs checked once, agreed
+_agreed: dict[int, set[int]] = {}  # per default group: digests of first-run checks that passed
 
 
 @dataclass
@@ -266,7 +266,9 @@ class RankCheck:
     collectives: list[str]
     size_args: dict[str, int] = field(default_factory=dict)
     failure: str | None = None
-    checked: bool = False
+    every_call: bool = field(init=False)
+    digest: int = field(init=False)  # of everything but the sizes at a call
+    checked: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self.every_call = any(c.even for c in self.calls)
