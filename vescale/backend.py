@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from vescale import _progress, finite
+from vescale._agree import active
 from vescale._torch_compat import (
     DYNAMO_COMPILER_FNS,
     aot_autograd,
@@ -57,12 +58,11 @@ from vescale.passes import (
     RankDivergenceError,
     annotate,
     bucket,
-    check_rank_consistency,
     eliminate,
     fingerprint,
     schedule,
 )
-from vescale.passes.fingerprint import from_local_calls
+from vescale.passes.fingerprint import FromLocal, RankCheck, from_local_calls, size_args
 
 __all__ = [
     "PASSES_OFF",
@@ -167,10 +167,14 @@ def record_inductor_forwards() -> contextlib.AbstractContextManager[list[Inducto
 
 
 def _graph_compiler(
-    opts: BackendOptions, name: str, calls: Sequence[str] = (), mode: dict[str, Any] | None = None
+    opts: BackendOptions,
+    name: str,
+    graph: _DynamoGraph,
+    calls: Sequence[FromLocal] = (),
+    mode: dict[str, Any] | None = None,
 ) -> Any:
-    """The AOT compiler of graph ``name``; ``calls``: the Dynamo graph's ``from_local`` calls,
-    compared across ranks (with the collectives) before the forward graph's first run."""
+    """The AOT compiler of graph ``name`` (of the Dynamo ``graph``); ``calls``: that graph's
+    ``from_local`` calls, compared across ranks (with the collectives) by the rank check."""
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         if name.endswith(".backward"):  # compiled at the first backward: a stage of its own
@@ -188,15 +192,16 @@ def _graph_compiler(
         for graphs in _captures:
             graphs.append(CompiledGraph(name, gm, ctx))
         compiled = _codegen(gm, example_inputs, opts, name, mode or {})
-        sequence = [*calls, *ctx.reports["fingerprint"]]
+        check = graph.check(name, list(calls), ctx.reports["fingerprint"], example_inputs)
         listened = _forwards and name.endswith(".forward")  # nobody asks: nothing to record
         cached = inductor_cache_key(compiled) if listened else None
         compiled = _ranged(compiled, name)
         if cached is not None:
-            forward = InductorForward(*cached, sequence, len(example_inputs), plain_aot_forward())
+            inputs, plain = len(example_inputs), plain_aot_forward()
+            forward = InductorForward(*cached, check.sequence(), inputs, plain)
             for forwards in _forwards:
                 forwards.append(forward)
-        return _rank_checked(compiled, name, sequence) if opts.rank_check else compiled
+        return _rank_checked(compiled, check) if opts.rank_check else compiled
 
     return compile_graph
 
@@ -237,14 +242,41 @@ def _ranged(compiled: Any, name: str) -> Any:
     return run
 
 
-def _rank_checked(compiled: Any, name: str, sequence: list[str]) -> Any:
-    """``compiled`` that compares its collective sequence across ranks at its first run."""
-    checked = [False]
+class _DynamoGraph(NamedTuple):
+    """What the rank check knows of a Dynamo graph: its frame and compile (Dynamo's compile id
+    ``frame/compile``; ``?`` where Dynamo gave none) and the explicit mode it compiles under."""
+
+    frame: str
+    compile_id: str
+    explicit: tuple[bool, str]
+
+    @classmethod
+    def of(cls, gm: torch.fx.GraphModule, explicit: tuple[bool, str]) -> _DynamoGraph:
+        compile_id = str(gm.meta.get("dynamo_compile_id") or "?")
+        return cls(compile_id.partition("/")[0], compile_id, explicit)
+
+    def check(
+        self,
+        name: str,
+        calls: list[FromLocal],
+        collectives: list[str],
+        example_inputs: Sequence[Any] = (),
+        failure: str | None = None,
+    ) -> RankCheck:
+        """The rank check of ``name``, one of this Dynamo graph's forward or backward graphs."""
+        identity = f"Dynamo frame {self.frame} {name.rpartition('.')[2]}"
+        sizes = size_args(calls, example_inputs)
+        return RankCheck(
+            name, identity, self.compile_id, self.explicit, calls, collectives, sizes, failure
+        )
+
+
+def _rank_checked(compiled: Any, check: RankCheck) -> Any:
+    """``compiled`` run after ``check`` (:meth:`RankCheck.before_run`: at every call for a
+    graph with even-shard ``from_local`` calls, else at its first run)."""
 
     def run(args: list[Any]) -> Any:
-        if not checked[0]:
-            check_rank_consistency(name, sequence)
-            checked[0] = True
+        check.before_run(args)
         return compiled(args)
 
     run._boxed_call = True  # type: ignore[attr-defined]
@@ -307,7 +339,10 @@ def compile_or_load(
     if loaded is None:
         return _compile(gm, example_inputs, opts, gid, explicit)
     loaded = _ranged(loaded, name)
-    boxed = _rank_checked(loaded, name, forward.sequence) if opts.rank_check else loaded
+    calls = from_local_calls(gm)
+    collectives = forward.sequence[len(calls) :]
+    check = _DynamoGraph.of(gm, explicit).check(name, calls, collectives, example_inputs)
+    boxed = _rank_checked(loaded, check) if opts.rank_check else loaded
 
     def step(*args: Any) -> Any:
         with torch.no_grad():  # as AOTAutograd runs an inference graph
@@ -337,9 +372,11 @@ def _compile(
             "decompositions": select_decomp_table(),
             "partition_fn": min_cut_rematerialization_partition,
         }
+    graph = _DynamoGraph.of(gm, explicit)
+    calls = from_local_calls(gm)
     aot = aot_autograd(
-        fw_compiler=_graph_compiler(opts, f"graph{gid}.forward", from_local_calls(gm), mode),
-        bw_compiler=_graph_compiler(opts, f"graph{gid}.backward", (), mode),
+        fw_compiler=_graph_compiler(opts, f"graph{gid}.forward", graph, calls, mode),
+        bw_compiler=_graph_compiler(opts, f"graph{gid}.backward", graph, (), mode),
         **extra,
     )
     _rank_dir(opts.dump_dir)  # a dump_dir that is a file: an error here, not a fallback
@@ -352,13 +389,30 @@ def _compile(
             _progress.stage(f"compile graph{gid}.forward", shown),
         ):
             return aot(gm, example_inputs)
-    except (ImplicitRedistributionError, RankDivergenceError):
+    except ImplicitRedistributionError as err:
+        if not (opts.rank_check and active()):
+            raise
+        failure = str(err).splitlines()[0]  # Dynamo appends the graph node and traceback
+        return _failed_after_check(graph.check(f"graph{gid}.forward", calls, [], (), failure), err)
+    except RankDivergenceError:
         raise
     except Exception as err:
         if opts.strict:
             raise
         _warn(f"graph{gid} runs eagerly, its capture failed{_failure_site(err)}", err)
         return gm.forward
+
+
+def _failed_after_check(check: RankCheck, err: Exception) -> Any:
+    """A graph whose capture raised ``err`` on this rank: its first call runs ``check`` (so
+    ranks that captured it differently, e.g. under another explicit mode, all raise the
+    rank check's error rather than wait for this rank), then raises ``err``."""
+
+    def step(*args: Any) -> Any:
+        check.before_run(args)
+        raise err
+
+    return step
 
 
 def _failure_site(err: BaseException) -> str:

@@ -20,7 +20,9 @@ import torch.distributed as dist
 import vescale
 from tests.dtensor.reference import coord_of, expected_local, mesh_of
 from tests.harness.collectives import C10D_KINDS, KINDS, count_collectives
+from tests.harness.fresh import run_fresh
 from tests.harness.misuse import error_everywhere
+from tests.harness.pool import scoped_environ
 from vescale import Replicate, Shard
 from vescale.dtensor.local_metadata import LocalRecord, check_records
 
@@ -151,6 +153,9 @@ def test_consistent_uneven_from_local_still_works(pool4):
 # ---- the compiled rank check ------------------------------------------------------------
 
 
+_COMPILE = r"\(compile \d+/0\)"  # Dynamo's compile id: frame/compile, each rank's first
+
+
 def _blank_graph_ids(text: str) -> str:
     return re.sub(r"graph\d+", "graph_", text)
 
@@ -178,9 +183,12 @@ def test_rank_check_shows_each_ranks_first_differing_collective(pool4):
     # the first collective (an all-gather) is the same on every rank; #1 differs
     even = r"#1: all_reduce float32\[\] over mesh dim 0 of 4 @ test_rank_consistency\.py:\d+"
     for rank in (0, 2):
-        assert re.search(rf"rank {rank}: graph_\.forward, 2 collectives, {even}", text), text
+        assert re.search(rf"rank {rank}: graph_\.forward {_COMPILE}, 2 collectives, {even}", text)
     for rank in (1, 3):
-        assert f"rank {rank}: graph_.forward, 1 collectives, #1: (no more collectives)" in text
+        one = (
+            rf"rank {rank}: graph_\.forward {_COMPILE}, 1 collectives, #1: \(no more collectives\)"
+        )
+        assert re.search(one, text), text
 
 
 def _uneven_from_local_compiled() -> None:
@@ -248,3 +256,76 @@ def test_mesh_on_missing_device_type_is_a_clear_error(monkeypatch):
     with pytest.raises(RuntimeError, match=r"DeviceMesh: device type 'cuda' is not available"):
         vescale.DeviceMesh("cuda", [0])
     assert not dist.is_initialized()  # raised before any process group was made
+
+
+# ---- explicit mode set differently on different ranks ------------------------------------
+
+
+def _explicit_differs_compiled(how: str) -> None:
+    """Rank 0 in explicit mode, rank 1 not (backend option or env var), on a graph with an
+    implicit redistribution: rank 0's capture fails, rank 1's graph would communicate."""
+    mesh = mesh_of((2,))
+    a = vescale.distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+    b = vescale.distribute_tensor(torch.ones(4, 4), mesh, [Shard(1)])
+    on = dist.get_rank() == 0
+    options = {"codegen": "fx", **({"explicit": on} if how == "option" else {})}
+    env = {"VESCALE_DISABLE_REDISTRIBUTE": "1" if on else "0"} if how == "env" else {}
+    torch._dynamo.reset()
+    with scoped_environ(env):
+        torch.compile(lambda x, y: x + y, backend="vescale", options=options)(a, b)
+
+
+@pytest.mark.parametrize(
+    ("how", "setting"),
+    [
+        ("option", "the vescale backend option explicit={}"),
+        ("env", "VESCALE_DISABLE_REDISTRIBUTE='{:d}'"),
+    ],
+)
+def test_explicit_mode_differing_per_rank_is_one_error_when_compiled(pool2, how, setting):
+    err = error_everywhere(
+        pool2,
+        _explicit_differs_compiled,
+        how,
+        env={"VESCALE_TIMEOUT_S": "60"},  # rank 0 waits there while rank 1 compiles
+        within_s=60,
+        timeout_s=120,
+        normalize=_blank_graph_ids,
+    )
+    text = _blank_graph_ids(err.message)
+    assert err.kind == "RankDivergenceError", err
+    on, off = setting.format(True), setting.format(False)
+    assert re.search(
+        rf"rank 0: graph_\.forward {_COMPILE}, explicit mode on \({re.escape(on)}\), its capture failed: aten\.add\.Tensor",
+        text,
+    ), text
+    assert re.search(
+        rf"rank 1: graph_\.forward {_COMPILE}, explicit mode off \({re.escape(off)}\), 1 collectives, #0: all_gather",
+        text,
+    ), text
+    assert "explicit mode differs across ranks" in text, text
+    assert "While executing" not in text, text  # the failure's first line only
+
+
+def _mesh_with_env(values: list[str | None]) -> str:
+    value = values[dist.get_rank()]
+    with scoped_environ({"VESCALE_DISABLE_REDISTRIBUTE": value}):
+        return repr(vescale.init_device_mesh("cpu", (2,)))
+
+
+def test_explicit_env_var_differing_per_rank_is_one_error_at_mesh_creation():
+    """Eagerly: the first mesh agrees VESCALE_DISABLE_REDISTRIBUTE (fresh ranks: a process
+    checks at its first mesh only)."""
+    outcomes = run_fresh(2, _mesh_with_env, ["0", None], env={"VESCALE_TIMEOUT_S": "10"})
+    assert [o[0] for o in outcomes] == ["err", "err"], outcomes
+    assert outcomes[0][1] == outcomes[1][1], outcomes
+    assert outcomes[0][1] == (
+        "ValueError: vescale: VESCALE_DISABLE_REDISTRIBUTE differs across ranks (rank 0: '0' "
+        "(off), rank 1: unset (on)); explicit mode must be the same on every rank (else an op "
+        "raises on some ranks while the others wait for its collective): set it the same on "
+        "every rank, e.g. in the launcher's environment"
+    )
+    assert all(seconds < 20 for *_, seconds in outcomes), outcomes
+    # the same value spelled differently is the same mode: the mesh is made
+    same = run_fresh(2, _mesh_with_env, ["1", None], env={"VESCALE_TIMEOUT_S": "10"})
+    assert [o[0] for o in same] == ["ok", "ok"], same

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh as _upstream_init_dev
 
 from vescale import _watchdog
 from vescale._torch_compat import _mesh_resources, disable_current_modes, set_pg_timeout
+from vescale.dtensor.explicit_env import agree_env_state
 from vescale.dtensor.flat_groups import flatten_mesh_dims, flattened_meshes
 
 __all__ = ["DeviceMesh", "as_vescale_mesh", "init_device_mesh", "known_meshes"]
@@ -98,6 +99,8 @@ class DeviceMesh(_UpstreamDeviceMesh):
         if upstream_kwargs.get("_init_backend", True):
             _set_timeouts(self, _watchdog.timeout(), user_world)
         register_mesh(self)
+        if upstream_kwargs.get("_init_backend", True):
+            agree_env_state()  # made its groups, collectively over the world
 
     def get_dim_groups(
         self, mesh_dim: int | None = None
@@ -255,7 +258,9 @@ def init_device_mesh(
     ``timeout`` (a ``timedelta`` or seconds; default ``VESCALE_TIMEOUT_S``, 600 s) is the
     collective timeout of the groups this call creates: the mesh dim and flattened groups, and
     the default group when none exists yet (initialized here, as upstream does, with this
-    timeout). A default group created before keeps its own timeout."""
+    timeout). A default group created before keeps its own timeout. The first
+    mesh checks that ``VESCALE_DISABLE_REDISTRIBUTE`` agrees across ranks
+    (:func:`~vescale.dtensor.explicit_env.agree_env_state`)."""
     check_device_type(device_type, "init_device_mesh")
     limit = _timeout(timeout)
     if device_type == "meta":
@@ -269,6 +274,7 @@ def init_device_mesh(
     )
     flatten_mesh_dims(mesh)  # multi-dim reductions: one collective over the flattened group
     _set_timeouts(mesh, limit, user_world)
+    agree_env_state()
     return mesh
 
 

@@ -21,7 +21,6 @@ code could annotate it, so it is allowed; compiled graphs still list it in
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -29,7 +28,6 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor as _UpstreamDTensor
 
-from vescale._env import parse_flag
 from vescale._stack import user_line_of_stack
 from vescale._torch_compat import (
     DTensorSpec,
@@ -38,6 +36,7 @@ from vescale._torch_compat import (
     redistribute_cost,
 )
 from vescale.dtensor.dtensor import VescaleSpec, redistribute_dtensor
+from vescale.dtensor.explicit_env import env_state
 from vescale.dtensor.placement_types import Placement, is_norm_partial, spec_placements
 from vescale.dtensor.redistribute import moves_nothing, strided_communicates
 
@@ -53,7 +52,6 @@ __all__ = [
 
 OpOverload = torch._ops.OpOverload
 
-_ENV = "VESCALE_DISABLE_REDISTRIBUTE"
 _explicit = threading.local()  # .state: (enabled, what set it) of the innermost scope, or None
 
 
@@ -62,12 +60,7 @@ def explicit_state() -> tuple[bool, str]:
     the innermost scope, else ``VESCALE_DISABLE_REDISTRIBUTE`` (``ValueError`` if it is not a
     boolean), else on."""
     state: tuple[bool, str] | None = getattr(_explicit, "state", None)
-    if state is not None:
-        return state
-    value = os.environ.get(_ENV)
-    if value is None:
-        return True, f"the default: {_ENV} is unset"
-    return parse_flag(_ENV, value), f"{_ENV}={value!r}"
+    return env_state() if state is None else state
 
 
 def explicit_redistribute_enabled() -> bool:

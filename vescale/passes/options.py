@@ -76,7 +76,11 @@ class BackendOptions:
         256.0, "most MiB of issued-but-unwaited collective results the schedule may keep alive"
     )
     rank_check: bool = _opt(
-        True, "compare each graph's collective sequence across ranks at its first run"
+        True,
+        (
+            "compare each graph across ranks before it runs: at every call where it has "
+            "even-shard from_local calls, else at its first run"
+        ),
     )
 
     @classmethod
