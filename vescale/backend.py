@@ -1,13 +1,16 @@
 """The ``vescale`` torch.compile backend.
 
 Pipeline per captured program: Dynamo graph -> AOTAutograd (forward and backward graphs of
-local aten ops and functional collectives, placements decided by the same eager strategies)
--> vescale passes (``annotate``/verify, ``eliminate``, ``bucket``, ``schedule``,
-``fingerprint``) -> codegen (Inductor, or the FX graphs as they are).
+local aten ops and functional collectives, placements decided by the same eager strategies;
+with Inductor codegen inside Inductor's ``compile_fx``, its pre-grad and joint-graph passes
+included) -> vescale passes (``annotate``/verify, ``eliminate``, ``bucket``, ``schedule``,
+``fingerprint``) -> codegen (Inductor's ``compile_fx_inner`` with ``compile_fx``'s
+arguments, or the FX graphs as they are).
 
 Options (``torch.compile(..., options={...})``) are the fields of
 :class:`vescale.passes.options.BackendOptions`, each documented in its ``metadata["doc"]``;
-the passes read the same object (``PassContext.options``). Fallbacks without ``strict``: a
+the passes read the same object (``PassContext.options``); ``inductor`` holds Inductor's
+own config options. Fallbacks without ``strict``: a
 capture failure (e.g. an op with no sharding strategy for its placements) runs that graph
 eagerly and a graph Inductor cannot compile runs as captured (FX), each with one warning
 naming the graph and the error (op, placements and mesh for a missing strategy).

@@ -83,9 +83,9 @@ class BackendOptions:
     inductor: dict[str, Any] = field(
         default_factory=dict,
         metadata={
-            "doc": "Inductor's own config options by name, as backend=\"inductor\" takes "
-            'them in torch.compile\'s options (e.g. {"max_autotune": True}), patched over '
-            "mode='s while each graph is traced and compiled (needs codegen=\"inductor\")",
+            "doc": "Inductor's config options, as backend=\"inductor\" takes them in "
+            'torch.compile\'s options (e.g. {"max_autotune": True}), patched while each graph '
+            'is traced and compiled (needs codegen="inductor")',
             "env": None,
         },
     )
