@@ -247,6 +247,8 @@ def test_joint_graph_passes_run_before_the_vescale_passes(inner_calls):
     partition), and the vescale passes see their result: a joint custom pass (an Inductor
     option) rewriting ``t * 2`` into ``t + t`` sees tangents, and the forward graph the
     passes get holds ``add``, not ``mul``."""
+    from torch._inductor import config
+
     from vescale.backend import capture_graphs
 
     seen = []
@@ -258,9 +260,8 @@ def test_joint_graph_passes_run_before_the_vescale_passes(inner_calls):
                 node.target, node.args = torch.ops.aten.add.Tensor, (node.args[0], node.args[0])
 
     torch._dynamo.reset()
-    options = {"inductor": {"joint_custom_pre_pass": double_as_add}}
-    with capture_graphs() as graphs:
-        f = torch.compile(lambda t: torch.sin(t) * 2, backend="vescale", options=options)
+    with capture_graphs() as graphs, config.patch(joint_custom_pre_pass=double_as_add):
+        f = torch.compile(lambda t: torch.sin(t) * 2, backend="vescale")
         x = torch.randn(8, dtype=torch.float64, requires_grad=True)
         y = f(x)
         y.sum().backward()
