@@ -91,7 +91,11 @@ def test_inductor_pieces_import():
     names = compat.inductor_config_names()
     assert {"max_autotune", "triton.cudagraphs"} <= set(names)
     patches = compat.inductor_config_patches("max-autotune", {"max_autotune": False})
-    assert patches == {"max_autotune": False, "triton.cudagraphs": True, "coordinate_descent_tuning": True}
+    assert patches == {
+        "max_autotune": False,
+        "triton.cudagraphs": True,
+        "coordinate_descent_tuning": True,
+    }
 
 
 def test_strided_shard_is_the_interleaved_layout():

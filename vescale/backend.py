@@ -337,6 +337,7 @@ def _compile(
         if opts.codegen == "inductor":
             return inductor_compile_fx(g, inputs, inner_compile, patches)
         return aot_autograd(fw_compiler=forward, bw_compiler=backward)(g, inputs)
+
     _rank_dir(opts.dump_dir)  # a dump_dir that is a file: an error here, not a fallback
     route_input_views(gm)  # outputs that view inputs keep a DTensor backward
     shown = _progress.enabled()  # a bad VESCALE_PROGRESS raises here, not as a fallback

@@ -83,7 +83,7 @@ class BackendOptions:
     inductor: dict[str, Any] = field(
         default_factory=dict,
         metadata={
-            "doc": "Inductor's config options, as backend=\"inductor\" takes them in "
+            "doc": 'Inductor\'s config options, as backend="inductor" takes them in '
             'torch.compile\'s options (e.g. {"max_autotune": True}), patched while each graph '
             'is traced and compiled (needs codegen="inductor")',
             "env": None,
@@ -156,8 +156,7 @@ def _inductor_options(options: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(k for k in options if k.replace("-", "_") not in known)
     if unknown:
         raise ValueError(
-            f"vescale backend: unknown Inductor options {unknown} (option inductor); "
-            f"known: {known}"
+            f"vescale backend: unknown Inductor options {unknown} (option inductor); known: {known}"
         )
     try:
         inductor_config_patches(None, options)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import glob
 import inspect
-from operator import getitem
 from collections.abc import Mapping, Sequence
+from operator import getitem
 from pathlib import Path
 from typing import Any
 
