@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import pytest
 import torch
 
-import vescale  # noqa: F401
+import vescale
+from tests.dtensor.reference import mesh_of
 
 # Inductor's first import in this process imports torch.utils.mkldnn, whose ScriptModules
 # use torch.jit.script_method: torch's own deprecation warnings, not raised by vescale code.
@@ -131,11 +134,11 @@ class Inner(NamedTuple):
 CONFIG = ("max_autotune", "coordinate_descent_tuning", "triton.cudagraphs")
 
 
-@pytest.fixture
-def inner_calls(monkeypatch):
-    """Every ``compile_fx_inner`` call, whoever makes it: Inductor's ``_compile_fx_inner``
-    (which ``compile_fx_inner`` calls) spied; AOTAutograd's cache off, so that
-    ``backend="inductor"`` compiles again rather than loading."""
+@contextlib.contextmanager
+def _inner_spy() -> Iterator[list[Inner]]:
+    """Every ``compile_fx_inner`` call in the block, whoever makes it: Inductor's
+    ``_compile_fx_inner`` (which ``compile_fx_inner`` calls) spied; AOTAutograd's cache off,
+    so that ``backend="inductor"`` compiles again rather than loading."""
     from torch._functorch import config as aot_config
     from torch._inductor import compile_fx, config
 
@@ -157,10 +160,19 @@ def inner_calls(monkeypatch):
         calls.append(Inner(unboxed, shapes, now, boxes))
         return real(gm, example_inputs, **kwargs)
 
-    monkeypatch.setattr(compile_fx, "_compile_fx_inner", spy)
-    with aot_config.patch(enable_autograd_cache=False):
+    compile_fx._compile_fx_inner = spy
+    try:
+        with aot_config.patch(enable_autograd_cache=False):
+            yield calls
+    finally:
+        compile_fx._compile_fx_inner = real
+        torch._dynamo.reset()
+
+
+@pytest.fixture
+def inner_calls():
+    with _inner_spy() as calls:
         yield calls
-    torch._dynamo.reset()
 
 
 class _Net(torch.nn.Module):
@@ -240,6 +252,54 @@ def test_compile_fx_inner_gets_what_inductor_gives_it(inner_calls, grad):
         assert backward.boxes[0] is forward.boxes[0] and backward.boxes[1] is forward.boxes[1]
     else:
         assert len(ours) == 1
+
+
+def _tp_inner_kwargs() -> dict[str, list[dict[str, Any]]]:
+    """Per backend, the ``compile_fx_inner`` keywords (graph id aside) of a column- then
+    row-parallel MLP whose weights are DTensor parameters, ``mode="reduce-overhead"``, after
+    checking its output and gradients against one device."""
+    from vescale import Replicate, Shard
+
+    mesh = mesh_of((2,))
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(8, 4, dtype=torch.float64), torch.randn(2, 8, dtype=torch.float64)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    ref = [w.clone().requires_grad_() for w in (w1, w2)]
+    want = torch.relu(x @ ref[0].t()) @ ref[1].t()
+    want.sum().backward()
+    out = {}
+    for backend in ("inductor", "vescale"):
+        net = torch.nn.Module()
+        net.w1 = torch.nn.Parameter(vescale.distribute_tensor(w1, mesh, [Shard(0)]))
+        net.w2 = torch.nn.Parameter(vescale.distribute_tensor(w2, mesh, [Shard(1)]))
+        xd = vescale.distribute_tensor(x, mesh, [Replicate()])
+
+        def mlp(t, net=net):
+            y = torch.relu(t @ net.w1.t()) @ net.w2.t()
+            return y.redistribute(mesh, [Replicate()])
+
+        with _inner_spy() as calls:
+            y = torch.compile(mlp, backend=backend, mode="reduce-overhead")(xd)
+            y.to_local().sum().backward()
+        torch.testing.assert_close(y.full_tensor(), want)
+        for p, r in zip((net.w1, net.w2), ref, strict=True):
+            torch.testing.assert_close(p.grad.full_tensor(), r.grad)
+        out[backend] = _without_graph_id(calls) + [{"shapes": c.shapes} for c in calls]
+    return out
+
+
+def test_compile_fx_inner_gets_what_inductor_gives_it_for_dtensor_parameters(pool2):
+    """On 2 ranks, DTensor parameters: the same keywords as ``backend="inductor"`` (the
+    vescale passes change the graphs' collectives, never their inputs), the forward's static
+    inputs exactly the parameters' flattened DTensors (local shard, then mesh: w1's (4, 4),
+    w2's (2, 4)), not the data batch's (3, 4)."""
+    for per_backend in pool2.run(_tp_inner_kwargs):
+        inductor, ours = per_backend["inductor"], per_backend["vescale"]
+        assert ours == inductor and len(ours) == 4  # (forward, backward) keywords, shapes
+        forward, shapes = ours[0], ours[2]["shapes"]
+        assert forward["cudagraphs"] is True and ours[1]["is_backward"] is True
+        static = [shapes[i] for i in forward["static_input_idxs"]]
+        assert static == [(4, 4), (2,), (2, 4), (2,)] and (3, 4) in shapes, shapes
 
 
 def test_joint_graph_passes_run_before_the_vescale_passes(inner_calls):

@@ -262,21 +262,16 @@ def vescale_backend(
 def _inductor_patches(mode: str | None, opts: BackendOptions) -> dict[str, Any]:
     """Inductor's config patches of ``torch.compile``'s ``mode`` and the ``inductor`` option,
     merged as ``backend="inductor"`` merges its mode and options (the options win)."""
-    if mode is not None and mode != "default":
-        modes = inductor_mode_options()
-        if mode not in modes:
-            raise ValueError(f"vescale backend: unknown mode {mode!r}; known: {sorted(modes)}")
-        if opts.codegen != "inductor":
-            raise ValueError(
-                f"vescale backend: mode={mode!r} configures Inductor; it needs "
-                f"codegen='inductor', got codegen={opts.codegen!r}"
-            )
-    elif not opts.inductor:
+    moded = mode is not None and mode != "default"
+    if moded and mode not in (modes := inductor_mode_options()):
+        raise ValueError(f"vescale backend: unknown mode {mode!r}; known: {sorted(modes)}")
+    if not moded and not opts.inductor:
         return {}
-    if opts.inductor and opts.codegen != "inductor":
+    if opts.codegen != "inductor":
+        what = f"mode={mode!r}" if moded else f"option inductor={opts.inductor!r}"
         raise ValueError(
-            f"vescale backend: option inductor={opts.inductor!r} configures Inductor; it needs "
-            f"codegen='inductor', got codegen={opts.codegen!r}"
+            f"vescale backend: {what} configures Inductor; it needs codegen='inductor', "
+            f"got codegen={opts.codegen!r}"
         )
     return inductor_config_patches(mode, opts.inductor)
 
