@@ -88,6 +88,8 @@ def test_inductor_pieces_import():
     import torch._inductor.compile_fx as compile_fx
 
     assert compat.inductor_inner() is compile_fx.compile_fx_inner
+    taken = set(inspect.signature(compile_fx.compile_fx).parameters)
+    assert {"inner_compile", "config_patches"} <= taken  # inductor_compile_fx's arguments
     names = compat.inductor_config_names()
     assert {"max_autotune", "triton.cudagraphs"} <= set(names)
     patches = compat.inductor_config_patches("max-autotune", {"max_autotune": False})
