@@ -85,9 +85,19 @@ def test_signatures_we_call():
 
 
 def test_inductor_pieces_import():
-    compile_fx_inner, select_decomp_table, partition = compat.inductor_pieces()
-    assert callable(compile_fx_inner) and callable(partition)
-    assert torch.ops.aten.t.default in select_decomp_table()  # why Inductor needs its decomps
+    import torch._inductor.compile_fx as compile_fx
+
+    assert compat.inductor_inner() is compile_fx.compile_fx_inner
+    taken = set(inspect.signature(compile_fx.compile_fx).parameters)
+    assert {"inner_compile", "config_patches"} <= taken  # inductor_compile_fx's arguments
+    names = compat.inductor_config_names()
+    assert {"max_autotune", "triton.cudagraphs"} <= set(names)
+    patches = compat.inductor_config_patches("max-autotune", {"max_autotune": False})
+    assert patches == {
+        "max_autotune": False,
+        "triton.cudagraphs": True,
+        "coordinate_descent_tuning": True,
+    }
 
 
 def test_strided_shard_is_the_interleaved_layout():

@@ -127,9 +127,11 @@ __all__ = [
     "group_timeout",
     "has_cpu_backend",
     "inductor_cache_key",
-    "inductor_config_patch",
+    "inductor_compile_fx",
+    "inductor_config_names",
+    "inductor_config_patches",
+    "inductor_inner",
     "inductor_mode_options",
-    "inductor_pieces",
     "load_inductor_graph",
     "make_boxed_func",
     "maybe_run_for_local_tensor",
@@ -240,14 +242,32 @@ def stable_topological_sort(graph: torch.fx.Graph) -> None:
     sort(graph)
 
 
-def inductor_pieces() -> tuple[Any, Any, Any]:
-    """(compile_fx_inner, select_decomp_table, min_cut_rematerialization_partition), imported
-    on first use: importing Inductor costs seconds."""
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.decomposition import select_decomp_table
+def inductor_compile_fx(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    inner_compile: Any,
+    config_patches: dict[str, Any],
+) -> Any:
+    """Inductor's ``compile_fx`` (pre-grad passes, decompositions, joint-graph passes and
+    partition, each graph's ``compile_fx_inner`` keywords: static inputs, CUDA graphs, graph
+    id, device index, inference/backward) as ``backend="inductor"`` runs it under
+    ``config_patches``, with ``inner_compile`` called in place of ``compile_fx_inner`` and
+    AOTAutograd's cache off (its key holds neither ``inner_compile`` nor what it does)."""
+    from torch._functorch import config as aot_config
+    from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx_inner, select_decomp_table, min_cut_rematerialization_partition
+    with aot_config.patch(enable_autograd_cache=False):
+        return compile_fx(
+            gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches
+        )
+
+
+def inductor_inner() -> Any:
+    """Inductor's ``compile_fx_inner``, imported on first use: importing Inductor costs
+    seconds."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    return compile_fx_inner
 
 
 def inductor_mode_options() -> dict[str, dict[str, Any]]:
@@ -257,11 +277,19 @@ def inductor_mode_options() -> dict[str, dict[str, Any]]:
     return {m: list_mode_options(m) for m in list_mode_options()}
 
 
-def inductor_config_patch(patches: dict[str, Any]) -> Any:
-    """A context manager patching Inductor's config with ``patches``."""
+def inductor_config_names() -> list[str]:
+    """The names of Inductor's config options (dotted for nested ones: ``triton.cudagraphs``)."""
     from torch._inductor import config
 
-    return config.patch(patches)
+    return sorted(config.get_config_copy())
+
+
+def inductor_config_patches(mode: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    """Inductor's config patches of ``torch.compile(backend="inductor", mode=mode,
+    options=options)``, merged as torch merges them (the mode's, then ``options`` over
+    them, ``-`` in names read as ``_``); ``RuntimeError`` (torch's) for an unknown name or a
+    value not of the option's type."""
+    return dict(torch._TorchCompileInductorWrapper(mode, options, None).config)
 
 
 def inductor_cache_key(compiled: Any) -> tuple[str, list[str]] | None:

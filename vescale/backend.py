@@ -1,13 +1,16 @@
 """The ``vescale`` torch.compile backend.
 
 Pipeline per captured program: Dynamo graph -> AOTAutograd (forward and backward graphs of
-local aten ops and functional collectives, placements decided by the same eager strategies)
--> vescale passes (``annotate``/verify, ``eliminate``, ``bucket``, ``schedule``,
-``fingerprint``) -> codegen (Inductor, or the FX graphs as they are).
+local aten ops and functional collectives, placements decided by the same eager strategies;
+with Inductor codegen inside Inductor's ``compile_fx``, its pre-grad and joint-graph passes
+included) -> vescale passes (``annotate``/verify, ``eliminate``, ``bucket``, ``schedule``,
+``fingerprint``) -> codegen (Inductor's ``compile_fx_inner`` with ``compile_fx``'s
+arguments, or the FX graphs as they are).
 
 Options (``torch.compile(..., options={...})``) are the fields of
 :class:`vescale.passes.options.BackendOptions`, each documented in its ``metadata["doc"]``;
-the passes read the same object (``PassContext.options``). Fallbacks without ``strict``: a
+the passes read the same object (``PassContext.options``); ``inductor`` holds Inductor's
+own config options. Fallbacks without ``strict``: a
 capture failure (e.g. an op with no sharding strategy for its placements) runs that graph
 eagerly and a graph Inductor cannot compile runs as captured (FX), each with one warning
 naming the graph and the error (op, placements and mesh for a missing strategy).
@@ -36,9 +39,10 @@ from vescale._torch_compat import (
     DYNAMO_COMPILER_FNS,
     aot_autograd,
     inductor_cache_key,
-    inductor_config_patch,
+    inductor_compile_fx,
+    inductor_config_patches,
+    inductor_inner,
     inductor_mode_options,
-    inductor_pieces,
     load_inductor_graph,
     make_boxed_func,
     plain_aot_forward,
@@ -167,22 +171,21 @@ def record_inductor_forwards() -> contextlib.AbstractContextManager[list[Inducto
 
 
 def _graph_compiler(
-    opts: BackendOptions,
-    name: str,
-    graph: _DynamoGraph,
-    calls: Sequence[FromLocal] = (),
-    mode: dict[str, Any] | None = None,
+    opts: BackendOptions, name: str, graph: _DynamoGraph, calls: Sequence[FromLocal] = ()
 ) -> Any:
-    """The AOT compiler of graph ``name`` (of the Dynamo ``graph``); ``calls``: that graph's
+    """The compiler of graph ``name`` of the Dynamo ``graph`` (AOTAutograd's, or Inductor's
+    inner compiler taking ``compile_fx_inner``'s keywords); ``calls``: that graph's
     ``from_local`` calls, compared across ranks (with the collectives) by the rank check."""
 
-    def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], **inner: Any) -> Any:
         if name.endswith(".backward"):  # compiled at the first backward: a stage of its own
             with _progress.stage(f"compile {name}"):
-                return compile_forward_or_backward(gm, example_inputs)
-        return compile_forward_or_backward(gm, example_inputs)
+                return compile_forward_or_backward(gm, example_inputs, inner)
+        return compile_forward_or_backward(gm, example_inputs, inner)
 
-    def compile_forward_or_backward(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    def compile_forward_or_backward(
+        gm: torch.fx.GraphModule, example_inputs: list[Any], inner: dict[str, Any]
+    ) -> Any:
         folder = _rank_dir(opts.dump_dir)
         ctx = PassContext(name, folder, options=opts)
         gm = PIPELINE.run(gm, ctx)
@@ -191,7 +194,7 @@ def _graph_compiler(
         _append_collectives(folder, ctx.reports.get("collectives", []))
         for graphs in _captures:
             graphs.append(CompiledGraph(name, gm, ctx))
-        compiled = _codegen(gm, example_inputs, opts, name, mode or {})
+        compiled = _codegen(gm, example_inputs, opts, name, inner)
         check = graph.check(name, list(calls), ctx.reports["fingerprint"], example_inputs)
         listened = _forwards and name.endswith(".forward")  # nobody asks: nothing to record
         cached = inductor_cache_key(compiled) if listened else None
@@ -211,18 +214,16 @@ def _codegen(
     example_inputs: list[Any],
     opts: BackendOptions,
     name: str,
-    mode: dict[str, Any],
+    inner: dict[str, Any],
 ) -> Any:
-    """Inductor under ``mode``'s config patches (falling back to the captured FX graph if it
-    fails; a backward compiled as one, ``is_backward=True``) or FX, boxed; node by node while
-    the non-finite check is on."""
+    """``compile_fx_inner`` with the keywords ``compile_fx`` gave (``inner``), falling back to
+    the captured FX graph if it fails, or FX, boxed; node by node while the non-finite check
+    is on."""
     if finite.enabled():
         return finite.interpreted(gm, name)
     if opts.codegen == "inductor":
-        compile_fx_inner, _, _ = inductor_pieces()
         try:
-            with inductor_config_patch(mode):
-                return compile_fx_inner(gm, example_inputs, is_backward=name.endswith(".backward"))
+            return inductor_inner()(gm, example_inputs, **inner)
         except Exception as err:
             if opts.strict:
                 raise
@@ -291,32 +292,34 @@ def vescale_backend(
 ) -> Any:
     """``torch.compile(model, backend="vescale", options={...}, mode=...)``.
 
-    ``mode`` ("default", "reduce-overhead", "max-autotune", ...) patches Inductor's config as
-    ``backend="inductor"`` does (``torch._inductor.list_mode_options``); it needs
+    ``mode`` ("default", "reduce-overhead", "max-autotune", ...) and the ``inductor`` option
+    patch Inductor's config as ``backend="inductor"``'s mode and options do; they need
     ``codegen="inductor"``. Bad options, a bad mode and a bad ``VESCALE_DISABLE_REDISTRIBUTE``
     raise ``ValueError`` here, before anything can fall back (Dynamo reports it as
     ``BackendCompilerFailed`` at the first call)."""
     opts = BackendOptions.resolve(options)
-    patches = _mode_patches(mode, opts)
+    patches = _inductor_patches(mode, opts)
     explicit = _explicit(opts)
     if opts.eager:
         return gm.forward
     return _compile(gm, example_inputs, opts, next(_graph_ids), explicit, patches)
 
 
-def _mode_patches(mode: str | None, opts: BackendOptions) -> dict[str, Any]:
-    """Inductor's config patches of ``torch.compile``'s ``mode`` (none for ``None``/"default")."""
-    if mode is None or mode == "default":
-        return {}
-    modes = inductor_mode_options()
-    if mode not in modes:
+def _inductor_patches(mode: str | None, opts: BackendOptions) -> dict[str, Any]:
+    """Inductor's config patches of ``torch.compile``'s ``mode`` and the ``inductor`` option,
+    merged as ``backend="inductor"`` merges its mode and options (the options win)."""
+    moded = mode is not None and mode != "default"
+    if moded and mode not in (modes := inductor_mode_options()):
         raise ValueError(f"vescale backend: unknown mode {mode!r}; known: {sorted(modes)}")
+    if not moded and not opts.inductor:
+        return {}
     if opts.codegen != "inductor":
+        what = f"mode={mode!r}" if moded else f"option inductor={opts.inductor!r}"
         raise ValueError(
-            f"vescale backend: mode={mode!r} configures Inductor; it needs codegen='inductor', "
+            f"vescale backend: {what} configures Inductor; it needs codegen='inductor', "
             f"got codegen={opts.codegen!r}"
         )
-    return dict(modes[mode])
+    return inductor_config_patches(mode, opts.inductor)
 
 
 def compile_or_load(
@@ -337,7 +340,7 @@ def compile_or_load(
         loaded = load_inductor_graph(forward.key, forward.debug_lines, example_inputs)
         stage.detail = "not in Inductor's cache" if loaded is None else "Inductor's cached code"
     if loaded is None:
-        return _compile(gm, example_inputs, opts, gid, explicit)
+        return _compile(gm, example_inputs, opts, gid, explicit, _inductor_patches(None, opts))
     loaded = _ranged(loaded, name)
     calls = from_local_calls(gm)
     collectives = forward.sequence[len(calls) :]
@@ -363,22 +366,25 @@ def _compile(
     opts: BackendOptions,
     gid: int,
     explicit: tuple[bool, str],
-    mode: dict[str, Any] | None = None,
+    patches: dict[str, Any],
 ) -> Any:
-    extra: dict[str, Any] = {}
-    if opts.codegen == "inductor":  # Inductor lowers only its own decomposed op set
-        _, select_decomp_table, min_cut_rematerialization_partition = inductor_pieces()
-        extra = {
-            "decompositions": select_decomp_table(),
-            "partition_fn": min_cut_rematerialization_partition,
-        }
+    """``gm`` traced by AOTAutograd (the vescale passes on each graph, then codegen) or, with
+    ``codegen="inductor"``, by Inductor's ``compile_fx`` under ``patches``: its pre-grad,
+    joint-graph and post-grad passes and every ``compile_fx_inner`` keyword, as
+    ``backend="inductor"``, with the vescale passes between partition and codegen."""
     graph = _DynamoGraph.of(gm, explicit)
     calls = from_local_calls(gm)
-    aot = aot_autograd(
-        fw_compiler=_graph_compiler(opts, f"graph{gid}.forward", graph, calls, mode),
-        bw_compiler=_graph_compiler(opts, f"graph{gid}.backward", graph, (), mode),
-        **extra,
-    )
+    forward = _graph_compiler(opts, f"graph{gid}.forward", graph, calls)
+    backward = _graph_compiler(opts, f"graph{gid}.backward", graph)
+
+    def inner_compile(g: torch.fx.GraphModule, inputs: list[Any], **inner: Any) -> Any:
+        return (backward if inner.get("is_backward") else forward)(g, inputs, **inner)
+
+    def aot(g: torch.fx.GraphModule, inputs: list[Any]) -> Any:
+        if opts.codegen == "inductor":
+            return inductor_compile_fx(g, inputs, inner_compile, patches)
+        return aot_autograd(fw_compiler=forward, bw_compiler=backward)(g, inputs)
+
     _rank_dir(opts.dump_dir)  # a dump_dir that is a file: an error here, not a fallback
     route_input_views(gm)  # outputs that view inputs keep a DTensor backward
     shown = _progress.enabled()  # a bad VESCALE_PROGRESS raises here, not as a fallback

@@ -9,7 +9,8 @@ checked against ``dataclasses.fields(BackendOptions)``.
 Values are checked against each field's type (:meth:`BackendOptions.resolve`): a ``bool``
 option takes ``True``/``False`` only (never a string such as ``"false"``), a ``float`` option
 a number ``>= 0`` (int or float, not bool), a ``Literal`` one its listed values, ``None`` only
-where the type allows it, a path a ``str`` or ``os.PathLike``; anything else is a
+where the type allows it, a path a ``str`` or ``os.PathLike``, ``inductor`` a dict of the
+names Inductor's config knows, each value of its option's type; anything else is a
 ``ValueError`` naming the option, the value and what is accepted.
 """
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from vescale._env import env_flag, parse_flag
+from vescale._torch_compat import inductor_config_names, inductor_config_patches
 from vescale.ddp.reducer import DEFAULT_BUCKET_CAP_MB
 
 __all__ = ["PASSES_OFF", "BackendOptions"]
@@ -82,6 +84,15 @@ class BackendOptions:
             "even-shard from_local calls, else at its first run"
         ),
     )
+    inductor: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "doc": 'Inductor\'s config options, as backend="inductor" takes them in '
+            'torch.compile\'s options (e.g. {"max_autotune": True}), patched while each graph '
+            'is traced and compiled (needs codegen="inductor")',
+            "env": None,
+        },
+    )
 
     @classmethod
     def resolve(cls, options: dict[str, Any] | None) -> BackendOptions:
@@ -96,7 +107,10 @@ class BackendOptions:
             options["eager"] = env_flag("VESCALE_COMPILE_EAGER", False)
         if "dump_dir" not in options:
             options["dump_dir"] = os.environ.get("VESCALE_DUMP_DIR") or None
-        return cls(**{name: _checked(name, value) for name, value in options.items()})
+        checked = {name: _checked(name, value) for name, value in options.items()}
+        if checked.get("inductor"):
+            checked["inductor"] = _inductor_options(checked["inductor"])
+        return cls(**checked)
 
 
 _HINTS = get_type_hints(BackendOptions)
@@ -111,7 +125,7 @@ def _accepts(hint: Any, value: Any) -> bool:
         return any(type(value) is type(a) and value == a for a in get_args(hint))
     if hint is float:
         return isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
-    return isinstance(value, origin or hint)  # bool, str, os.PathLike[str], NoneType
+    return isinstance(value, origin or hint)  # bool, str, dict, os.PathLike[str], NoneType
 
 
 # What each type accepts, in words.
@@ -120,6 +134,7 @@ _WORDS: dict[Any, list[str]] = {
     float: ["a number >= 0 (int or float)"],
     str: ["a str"],
     os.PathLike: ["an os.PathLike"],
+    dict: ["a dict"],
     type(None): ["None"],
 }
 
@@ -132,6 +147,26 @@ def _accepted(hint: Any) -> list[str]:
     if origin is Literal:
         return [repr(a) for a in get_args(hint)]
     return _WORDS[origin or hint]
+
+
+def _inductor_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` (the ``inductor`` option) if Inductor knows every name and each value has
+    its option's type, else ``ValueError`` naming the unknown ones and the known ones, or the
+    mistyped one."""
+    bad_keys = sorted(repr(k) for k in options if not isinstance(k, str))
+    if bad_keys:
+        raise ValueError(f"vescale backend: option inductor takes str names, got {bad_keys}")
+    known = inductor_config_names()
+    unknown = sorted(k for k in options if k.replace("-", "_") not in known)
+    if unknown:
+        raise ValueError(
+            f"vescale backend: unknown Inductor options {unknown} (option inductor); known: {known}"
+        )
+    try:
+        inductor_config_patches(None, options)
+    except RuntimeError as err:  # torch's: a value not of its option's type
+        raise ValueError(f"vescale backend: option inductor: {err}") from None
+    return dict(options)
 
 
 def _checked(name: str, value: Any) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import inspect
 from collections.abc import Mapping, Sequence
+from operator import getitem
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from vescale.plan.batch import Batch, batch_choices
 from vescale.plan.capture import capture_joint
 from vescale.plan.cost import AlphaBeta, cost_model_of
 from vescale.plan.explain import Explanation, explain
-from vescale.plan.lower import run_program, to_placements
+from vescale.plan.lower import output_leaves, run_program, to_placements
 from vescale.plan.memory import optimizer_states
 from vescale.plan.program import PlacedProgram, place
 from vescale.plan.propagate import Placements
@@ -226,7 +227,9 @@ class PlannedModule(nn.Module):
             else:
                 graph = torch.fx.Graph()
                 phs = [graph.placeholder(f"arg{i}") for i in range(len(flat))]
-                graph.output(graph.call_function(placed_joint_step, tuple(phs)))
+                step = graph.call_function(placed_joint_step, tuple(phs))
+                n_out = len(output_leaves(program))  # a tuple of outputs, as Dynamo's graphs
+                graph.output(tuple(graph.call_function(getitem, (step, i)) for i in range(n_out)))
                 gm = torch.fx.GraphModule(nn.Module(), graph)
                 self._step = self._compile_step(gm, specs, flat)
         return self._step

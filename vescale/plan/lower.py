@@ -20,7 +20,7 @@ from vescale.plan.program import PlacedProgram
 from vescale.plan.propagate import Placements
 
 _VIEW, _CLONE = torch.ops.aten.view.default, torch.ops.aten.clone.default
-__all__ = ["run_program", "to_placements"]
+__all__ = ["output_leaves", "run_program", "to_placements"]
 
 
 def to_placements(t: Any, program: PlacedProgram, placements: Placements) -> Any:
@@ -49,6 +49,12 @@ def run_program(program: PlacedProgram, *flat: Any) -> tuple[Any, ...]:
 Early = dict[tuple[torch.fx.Node, Placements], Any]
 
 
+def output_leaves(program: PlacedProgram) -> list[torch.fx.Node]:
+    """The joint graph's output leaves, in the order :func:`run_program` returns them."""
+    out = program.joint.gm.graph.output_node()
+    return [a for a in pytree.tree_leaves(out.args) if isinstance(a, torch.fx.Node)]
+
+
 def _run(program: PlacedProgram, flat: tuple[Any, ...]) -> tuple[Any, ...]:
     env: dict[torch.fx.Node, Any] = {}
     inputs = iter(flat)
@@ -63,8 +69,7 @@ def _run(program: PlacedProgram, flat: tuple[Any, ...]) -> tuple[Any, ...]:
     done = set(first)
     for node in nodes:
         if node.op == "output":
-            leaves = [a for a in pytree.tree_leaves(node.args) if isinstance(a, torch.fx.Node)]
-            return _outputs(program, [env[leaf] for leaf in leaves])
+            return _outputs(program, [env[leaf] for leaf in output_leaves(program)])
         if node.op != "placeholder" and node not in done:
             env[node] = _eval(program, node, env, early)
     raise AssertionError("graph without output")
