@@ -121,6 +121,6 @@ def build(cfg: LlamaConfig, layers: int | None = None) -> Llama:
     cfg = dataclasses.replace(cfg, layers=cfg.layers if layers is None else layers)
     with torch.device("meta"):
         model = Llama(cfg)
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         p.data = p.data.to(torch.bfloat16)
     return model

@@ -66,9 +66,7 @@ def _reference_layout(shape: Sequence[int], mesh: Any, placements: Any, groups: 
     check's former element-by-element arithmetic); ``None`` where it raised."""
     try:
         return tuple(
-            tuple(
-                _flat(local_indices(shape, mesh, placements, coord), shape, g) for g in groups
-            )
+            tuple(_flat(local_indices(shape, mesh, placements, coord), shape, g) for g in groups)
             for coord in itertools.product(*(range(n) for n in mesh.shape))
         )
     except RuntimeError:
@@ -123,8 +121,10 @@ def _sweep(full: bool) -> None:
             algebra = view._maps_by_digits(mesh_shape, sp, dp, src_shape, dst_shape)
             cases += 1
             decided += algebra is not None
-            if algebra is None and _even(src_shape, mesh_shape, sp) and _even(
-                dst_shape, mesh_shape, dp
+            if (
+                algebra is None
+                and _even(src_shape, mesh_shape, sp)
+                and _even(dst_shape, mesh_shape, dp)
             ):
                 undecided.append((src_shape, dst_shape, mesh_shape, sp, dp))
             if algebra is None and (full or cases % 5 == 0):  # the check's own fallback

@@ -22,8 +22,8 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from vescale._torch_compat import DTensorSpec, StridedShard
 
 __all__ = [
-    "chunk_sizes",
     "Digit",
+    "chunk_sizes",
     "contiguous_shards",
     "contiguous_strides",
     "dense_strides",
@@ -33,12 +33,12 @@ __all__ = [
     "interleaved_sizes",
     "local_indices",
     "local_range",
-    "sharding_mesh_dims",
     "shard_digits",
+    "sharding_mesh_dims",
     "shards",
 ]
 
-Digit = tuple[int, int | None, int]  # (size, mesh dim or None for free, place value in its coordinate)
+Digit = tuple[int, int | None, int]  # (size, fixing mesh dim or None: free, place value)
 
 
 def chunk_sizes(total: int, n: int) -> list[int]:
