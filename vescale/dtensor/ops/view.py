@@ -7,7 +7,8 @@ expanding a size-1 dim that is "sharded" (``expand_as`` of a ``(n, 1)`` tensor s
 dim 1); and it computes wrong local shapes for a dim sharded over two mesh dims where some
 rank's shard is empty (2 rows over a 2x2 mesh), which is treated the same way. A
 reshape of an interleaved (strided) shard, or of a dim sharded over several mesh dims, is
-checked element by element, because upstream claims layouts for some that are not what the
+checked to map every rank's elements to its own (by layout algebra, once per distinct case:
+:func:`_maps_elements`), because upstream claims layouts for some that are not what the
 local view holds (``(96, 30)`` as ``InterleavedShard(0, 4)`` viewed as ``(8, 12, 30)``;
 ``(16, 3)`` as ``(Shard(0), Shard(0))`` on 2x2 viewed as ``(2, 8, 3)``): a claim that does not map every
 rank's elements to its own is refused like an error. Here the strategy is retried with the
