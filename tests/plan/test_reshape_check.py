@@ -100,6 +100,10 @@ def _accepts(src: DTensorSpec, dst: DTensorSpec, shape: Sequence[int]) -> bool:
 
 
 def _sweep(full: bool) -> None:
+    """Every (src layout, dst layout) pair of every shape pair and mesh: the digits' decision
+    equals the reference's wherever they decide, they decide every even power-of-two case,
+    and the check's own fallback (uneven shards) equals it on every 5th case it leaves (all
+    with ``--full``)."""
     cases = decided = mismatches = 0
     wrong, undecided = [], []
     for (src_shape, dst_shape), mesh_shape in itertools.product(
