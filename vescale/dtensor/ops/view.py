@@ -39,7 +39,14 @@ from vescale._torch_compat import (
     disable_current_modes,
     redistribute_cost,
 )
-from vescale.dtensor.layout import Digit, empty_shard_dims, local_indices, shard_digits
+from vescale.dtensor.layout import (
+    Digit,
+    empty_shard_dims,
+    interleave_factor,
+    local_indices,
+    shard_digits,
+    shards,
+)
 from vescale.dtensor.ops._registry import wrap_upstream_strategy
 from vescale.dtensor.placement_types import Placement, Replicate, Shard
 
@@ -129,19 +136,36 @@ def _maps_by_digits(
     for a, b in _dim_groups(src_shape, dst_shape):
         sides = []
         for shape, placements, dims in ((src_shape, src, a), (dst_shape, dst, b)):
-            digits: list[Digit] = []
+            digits: list[Digit] | None = []
             for d in dims:
                 try:
                     found = shard_digits(shape[d], mesh_sizes, placements, d)
                 except ValueError:  # a layout no rank can hold
                     return False
-                if found is None:
-                    return None
-                digits += found
-            sides.append(_canonical(digits))
-        if sides[0] != sides[1]:
+                digits = None if found is None or digits is None else digits + found
+            sides.append(None if digits is None else _canonical(digits))
+        if None in sides:  # uneven: a dim the reshape keeps, cut alike on both sides, maps
+            kept = len(a) == len(b) == 1 and src_shape[a[0]] == dst_shape[b[0]]
+            plain = not any(
+                interleave_factor(p) is not None and p.dim == d  # type: ignore[attr-defined]
+                for ps, d in ((src, a[0]), (dst, b[0]))
+                for p in ps
+            )
+            same = _splits(mesh_sizes, src, a[0]) == _splits(mesh_sizes, dst, b[0])
+            if not (kept and plain and same):
+                return None
+        elif sides[0] != sides[1]:
             return False
     return True
+
+
+def _splits(mesh_sizes: tuple[int, ...], placements: tuple[Placement, ...], dim: int) -> Any:
+    """How ``placements`` split tensor dim ``dim``: (mesh dim, interleave factor) in order."""
+    return [
+        (m, interleave_factor(p))
+        for m, (n, p) in enumerate(zip(mesh_sizes, placements))
+        if n > 1 and shards(p, dim)
+    ]
 
 
 def _maps_elements(src: DTensorSpec, dst: DTensorSpec, shape: Sequence[int]) -> bool:
