@@ -49,3 +49,30 @@ def test_512_rank_gpt_block_propagation_and_choice_under_30s():
     chosen = program.param_placements()
     for name, placements in by_name.items():  # the plan is hard
         assert chosen[name] == placements, name
+
+
+def test_plan_scale_benchmark_quick_rows():
+    """``benchmarks/plan_scale.py --quick --no-solve`` (the Llama-3-8B shape, 1 and 2 layers on
+    a meta (8, 8) mesh, one 8192-token sequence per rank) runs and prints both rows."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "plan_scale.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--quick", "--no-solve"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=500,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in out.stdout.splitlines()[2:]]
+    assert [(r[0].strip(), r[1].strip(), r[2].strip()) for r in rows] == [
+        ("8b", "8x8", "1"),
+        ("8b", "8x8", "2"),
+    ], out.stdout
+    for r in rows:
+        capture, propagate, _, rss = (float(c) for c in r[3:7])
+        assert capture > 0 and propagate > 0 and 0 < rss < 8, r
+        assert r[7].strip() == "not solved", r

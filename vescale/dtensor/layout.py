@@ -11,6 +11,7 @@ local coordinate.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from vescale._torch_compat import DTensorSpec, StridedShard
 
 __all__ = [
+    "Digit",
     "chunk_sizes",
     "contiguous_shards",
     "contiguous_strides",
@@ -31,9 +33,12 @@ __all__ = [
     "interleaved_sizes",
     "local_indices",
     "local_range",
+    "shard_digits",
     "sharding_mesh_dims",
     "shards",
 ]
+
+Digit = tuple[int, int | None, int]  # (size, fixing mesh dim or None: free, place value)
 
 
 def chunk_sizes(total: int, n: int) -> list[int]:
@@ -123,6 +128,62 @@ def local_indices(
         start = sum(sizes[:c])
         idx[p.dim] = groups[:, start : start + sizes[c]].flatten()
     return tuple(idx)
+
+
+def _split_free(digits: list[Digit], amount: int) -> bool:
+    """Split a free digit of ``digits`` so that the outermost free digits hold exactly
+    ``amount`` values; ``False`` where ``amount`` does not fall on such a boundary."""
+    for i, (size, label, _) in enumerate(digits):
+        if label is not None:
+            continue
+        if amount == 1:
+            return True
+        if amount % size == 0:
+            amount //= size
+        elif size % amount == 0:
+            digits[i : i + 1] = [(amount, None, 0), (size // amount, None, 0)]
+            return True
+        else:
+            return False
+    return amount == 1
+
+
+def _fix(digits: list[Digit], skip: int, amount: int, mesh_dim: int) -> bool:
+    """Mark the free digits worth ``amount`` that follow the outermost ones worth ``skip``
+    as fixed by ``mesh_dim`` (outermost the highest place value)."""
+    total = math.prod(d[0] for d in digits if d[1] is None)
+    if total % skip:
+        raise ValueError(f"an interleave of {skip} does not divide {total} elements")
+    if not (_split_free(digits, skip) and _split_free(digits, skip * amount)):
+        return False
+    free = [i for i, d in enumerate(digits) if d[1] is None]
+    held, place = 1, amount
+    for i in free:
+        size = digits[i][0]
+        if skip <= held < skip * amount:
+            place //= size
+            digits[i] = (size, mesh_dim, place)
+        held *= size
+    return True
+
+
+def shard_digits(
+    size: int, mesh_sizes: Sequence[int], placements: Sequence[Placement], dim: int
+) -> list[Digit] | None:
+    """Tensor dim ``dim`` (``size`` elements) as mixed-radix digits, outermost first, each
+    ``(size, mesh dim, place)``: the shard at a coordinate ``c`` holds the indices whose digit
+    fixed by mesh dim ``m`` equals ``c[m] // place % size`` (free digits: every value), in
+    order. What :func:`local_indices` builds, for every coordinate at once; ``None`` where a
+    shard is not a product of whole digits (uneven or cut across an interleave), which that
+    function must then decide; a ``ValueError`` where an interleave does not divide what it
+    splits (where that function cannot view it). Size-1 digits are dropped."""
+    digits: list[Digit] = [(size, None, 0)]
+    for m, (n, p) in enumerate(zip(mesh_sizes, placements)):
+        if not isinstance(p, Shard | StridedShard) or p.dim != dim:
+            continue
+        if not _fix(digits, interleave_factor(p) or 1, n, m):
+            return None
+    return [d for d in digits if d[0] != 1]
 
 
 def empty_shard_dims(spec: DTensorSpec) -> list[int]:

@@ -7,7 +7,8 @@ expanding a size-1 dim that is "sharded" (``expand_as`` of a ``(n, 1)`` tensor s
 dim 1); and it computes wrong local shapes for a dim sharded over two mesh dims where some
 rank's shard is empty (2 rows over a 2x2 mesh), which is treated the same way. A
 reshape of an interleaved (strided) shard, or of a dim sharded over several mesh dims, is
-checked element by element, because upstream claims layouts for some that are not what the
+checked to map every rank's elements to its own (by layout algebra, once per distinct case:
+:func:`_maps_elements`), because upstream claims layouts for some that are not what the
 local view holds (``(96, 30)`` as ``InterleavedShard(0, 4)`` viewed as ``(8, 12, 30)``;
 ``(16, 3)`` as ``(Shard(0), Shard(0))`` on 2x2 viewed as ``(2, 8, 3)``): a claim that does not map every
 rank's elements to its own is refused like an error. Here the strategy is retried with the
@@ -21,6 +22,7 @@ accepts is unchanged. A reshape of an empty tensor is answered here (upstream's
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -37,7 +39,14 @@ from vescale._torch_compat import (
     disable_current_modes,
     redistribute_cost,
 )
-from vescale.dtensor.layout import empty_shard_dims, local_indices
+from vescale.dtensor.layout import (
+    Digit,
+    empty_shard_dims,
+    interleave_factor,
+    local_indices,
+    shard_digits,
+    shards,
+)
 from vescale.dtensor.ops._registry import wrap_upstream_strategy
 from vescale.dtensor.placement_types import Placement, Replicate, Shard
 
@@ -99,13 +108,87 @@ def _flat(indices: Sequence[Any], shape: Sequence[int], dims: list[int]) -> Any:
     return flat
 
 
+def _canonical(digits: list[Digit]) -> list[Digit]:
+    """``digits`` with neighbours that mean one digit merged: free ones, and consecutive
+    places of one mesh dim."""
+    out: list[Digit] = []
+    for size, m, place in digits:
+        if out and out[-1][1] is None and m is None:
+            out[-1] = (out[-1][0] * size, None, 0)
+        elif out and m is not None and out[-1][1] == m and out[-1][2] == place * size:
+            out[-1] = (out[-1][0] * size, m, place)
+        else:
+            out.append((size, m, place))
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _maps_by_digits(
+    mesh_sizes: tuple[int, ...],
+    src: tuple[Placement, ...],
+    dst: tuple[Placement, ...],
+    src_shape: tuple[int, ...],
+    dst_shape: tuple[int, ...],
+) -> bool | None:
+    """:func:`_maps_elements` by layout algebra: per group of dims the reshape maps onto each
+    other, both sides' flat index digits (:func:`shard_digits`, row-major) must be the same
+    digits fixed by the same mesh dims. ``None`` where a shard is no product of digits."""
+    for a, b in _dim_groups(src_shape, dst_shape):
+        sides = []
+        for shape, placements, dims in ((src_shape, src, a), (dst_shape, dst, b)):
+            digits: list[Digit] | None = []
+            for d in dims:
+                try:
+                    found = shard_digits(shape[d], mesh_sizes, placements, d)
+                except ValueError:  # a layout no rank can hold
+                    return False
+                digits = None if found is None or digits is None else digits + found
+            sides.append(None if digits is None else _canonical(digits))
+        if None in sides:  # uneven: a dim the reshape keeps, cut alike on both sides, maps
+            kept = len(a) == len(b) == 1 and src_shape[a[0]] == dst_shape[b[0]]
+            plain = not any(
+                interleave_factor(p) is not None and p.dim == d  # type: ignore[attr-defined]
+                for ps, d in ((src, a[0]), (dst, b[0]))
+                for p in ps
+            )
+            same = _splits(mesh_sizes, src, a[0]) == _splits(mesh_sizes, dst, b[0])
+            if not (kept and plain and same):
+                return None
+        elif sides[0] != sides[1]:
+            return False
+    return True
+
+
+def _splits(mesh_sizes: tuple[int, ...], placements: tuple[Placement, ...], dim: int) -> Any:
+    """How ``placements`` split tensor dim ``dim``: (mesh dim, interleave factor) in order."""
+    return [
+        (m, interleave_factor(p))
+        for m, (n, p) in enumerate(zip(mesh_sizes, placements))
+        if n > 1 and shards(p, dim)
+    ]
+
+
 def _maps_elements(src: DTensorSpec, dst: DTensorSpec, shape: Sequence[int]) -> bool:
     """Whether, on every rank, the local reshape of ``src``'s shard holds exactly ``dst``'s
     shard of global ``shape``, in order (each group of dims the reshape maps onto each other
-    compared apart). Index arithmetic on real tensors, also while a compile traces under
-    fake tensors (where ``torch.equal`` would raise and the view be refused)."""
+    compared apart). Decided once per distinct case by :func:`_maps_by_digits`; shards that
+    are no product of digits (uneven, or cut across an interleave) by
+    :func:`_maps_by_index`."""
     if src.mesh != dst.mesh or math.prod(shape) == 0:
         return True
+    sizes = (tuple(src.shape), tuple(shape))
+    if all(type(s) is int for s in (*sizes[0], *sizes[1])):
+        found = _maps_by_digits(
+            tuple(src.mesh.shape), tuple(src.placements), tuple(dst.placements), *sizes
+        )
+        if found is not None:
+            return found
+    return _maps_by_index(src, dst, shape)
+
+
+def _maps_by_index(src: DTensorSpec, dst: DTensorSpec, shape: Sequence[int]) -> bool:
+    """:func:`_maps_elements` by comparing every rank's global indices (index arithmetic on
+    real tensors, also while a compile traces under fake tensors)."""
     groups = _dim_groups(list(src.shape), list(shape))
     with disable_current_modes():
         for coord in itertools.product(*(range(n) for n in src.mesh.shape)):
