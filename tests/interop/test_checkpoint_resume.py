@@ -24,7 +24,6 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import vescale
 from vescale.ddp import DistributedDataParallel
 
-
 STEPS_BEFORE, STEPS_AFTER, LR = 2, 2, 0.01
 CFG = gpt.GPTConfig()
 
