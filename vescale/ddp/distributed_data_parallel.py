@@ -252,7 +252,7 @@ class DistributedDataParallel(nn.Module):
         after it (which reduces the accumulated sums)."""
         return self.find_unused_parameters or not self._sync_grads or self._unsynced
 
-    @torch._dynamo.disable  # host work (flags, buffers' broadcast): eager, between graphs
+    @torch.compiler.disable  # host work (flags, buffers' broadcast): eager, between graphs
     def _start_reducer_step(self) -> None:
         self._reducer.check()
         self._reducer.active, self._reducer.sync = True, self._sync_grads
@@ -260,7 +260,7 @@ class DistributedDataParallel(nn.Module):
         if self.broadcast_buffers and self._buffers_synced:
             _broadcast_from_first(self._buffers_synced, self.dp_mesh)  # type: ignore[arg-type]
 
-    @torch._dynamo.disable
+    @torch.compiler.disable
     def _arm_outputs(self, out: Any) -> None:
         if self._sync_grads and torch.is_grad_enabled():
             for t in pytree.tree_leaves(out):
