@@ -109,7 +109,6 @@ class Mlp(nn.Module):
         return (self.b(h) if branch == 0 else self.c(h)).pow(2).mean()
 """
 
-# fmt: off  (one case per block, its program as written)
 CASES = [
     # ---- last uneven batch -------------------------------------------------------------------
     Case(
@@ -759,7 +758,6 @@ check(torch.zeros(1), torch.zeros(1))
 """,
     ),
 ]
-# fmt: on
 
 
 def _classify(case: Case, rc: int, out: str, timed_out: bool) -> str:
