@@ -12,7 +12,7 @@ outcome:
 * ``clear error everywhere``: every rank raised the same text, and the case is a misuse;
 * ``valid program failed``: the same, but the program is valid;
 * ``silent wrong result``: some rank ``wrong``, none raised;
-* ``hang``: the time limit passed;
+* ``hang``: the time limit passed, or a rank waited out the gloo group's timeout;
 * ``error on one rank only``: ranks raised different texts, or some raised and others not;
 * ``gloo abort``: a rank died of a signal.
 
@@ -770,6 +770,8 @@ def _classify(case: Case, rc: int, out: str, timed_out: bool) -> str:
     if re.search(r"Signal \d+|exitcode\s*:\s*-\d+|SIGABRT|SIGSEGV", out):
         return "gloo abort"
     errors = [x for x in per_rank if x and x.startswith("ERROR")]
+    if any(re.search(r"Timed out waiting \d+ms|timed out", x, re.I) for x in errors):
+        return "hang"  # a rank waited out the gloo group's timeout
     if errors:
         if len(errors) == case.nproc and len(set(errors)) == 1:
             return "valid program failed" if case.valid else "clear error everywhere"
