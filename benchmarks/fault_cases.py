@@ -68,13 +68,13 @@ def check(got, want, atol=1e-6):
     peers = [torch.zeros_like(mine) for _ in range(WORLD)]
     dist.all_gather(peers, mine)
     same = same and all(torch.equal(p, mine) for p in peers)
-    print(f"R{{RANK}} RESULT {{'ok' if same else 'wrong'}}", flush=True)
+    print(f"\\nR{{RANK}} RESULT {{'ok' if same else 'wrong'}}", flush=True)
 
 try:
 {body}
 except BaseException as e:
     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    print(f"R{{RANK}} ERROR {{type(e).__name__}}: {{msg[:300]}}", flush=True)
+    print(f"\\nR{{RANK}} ERROR {{type(e).__name__}}: {{msg[:300]}}", flush=True)
     time.sleep({grace})  # let the other ranks print theirs before torchrun stops them
     os._exit(1)
 dist.destroy_process_group()
@@ -763,8 +763,12 @@ check(torch.zeros(1), torch.zeros(1))
 ]
 
 
+# a rank's line; two ranks writing at once can put two on one line
+_LINE = re.compile(r"R(\d+) (RESULT (?:ok|wrong)|ERROR .*?)(?=R\d+ (?:RESULT|ERROR)|$)", re.M)
+
+
 def _classify(case: Case, rc: int, out: str, timed_out: bool) -> str:
-    lines = dict(re.findall(r"^R(\d+) ((?:RESULT|ERROR).*)$", out, re.M))
+    lines = dict(_LINE.findall(out))
     per_rank = [lines.get(str(r)) for r in range(case.nproc)]
     if timed_out:
         return "hang"
@@ -832,7 +836,7 @@ def main() -> None:
         rows.append(f"| {case.name} | {case.cls} | {outcome} | {took:.0f} |")
         print(rows[-1], flush=True)
         if args.v:  # each rank's line, or the first traceback
-            lines = re.findall(r"^R\d+ (?:RESULT|ERROR).*$", out, re.M)
+            lines = [f"R{r} {x}" for r, x in _LINE.findall(out)]
             tb = out[out.find("Traceback") :][:1200] if not lines else ""
             print(textwrap.indent("\n".join(lines) + tb, "    "), flush=True)
         if args.out:  # after each case: a partial run keeps what it measured
