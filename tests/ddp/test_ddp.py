@@ -6,6 +6,7 @@ batch, and compiled DDP buckets under its own ``bucket_cap_mb`` as eager DDP doe
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -312,14 +313,15 @@ def test_rank_dependent_branch_other_shape_is_an_error_everywhere(pool2):
     assert "'b2.bias' on rank 0" in err.message and "'b1.bias' on rank 1" in err.message, err
 
 
-def _unused_found(wide: bool):
+def _unused_found(wide: bool, compiled: bool = False):
     mesh = vescale.init_device_mesh("cpu", (2,))
     rank = mesh.get_coordinate()[0]
     ddp = DistributedDataParallel(
         _Branchy(wide), [0], device_mesh=mesh, find_unused_parameters=True
     )
+    model = _compiled(ddp) if compiled else ddp
     xs = torch.randn(2, 2, 4)
-    ddp(xs[rank], rank).backward()
+    model(xs[rank], rank).backward()
     ref = _Branchy(wide)  # one device: the average of the two ranks' gradients
     for r in range(2):
         (ref(xs[r], r) / 2).backward()
@@ -328,35 +330,60 @@ def _unused_found(wide: bool):
     }
 
 
-def test_find_unused_parameters_equals_one_device(pool2):
-    for got, want in pool2.run(_unused_found, True):
+def _compiled(ddp: DistributedDataParallel) -> nn.Module:
+    torch._dynamo.reset()
+    return torch.compile(ddp, backend="vescale")
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_find_unused_parameters_equals_one_device(pool2, compiled):
+    """Rank 0 uses b1, rank 1 b2: each unused gradient reduced as zero, eager and compiled."""
+    for got, want in pool2.run(_unused_found, True, compiled):
         for name in want:
             torch.testing.assert_close(got[name], want[name], msg=name)
 
 
-def _accumulated():
+def _accumulated(compiled: bool = False):
+    """Two accumulation windows (one ``no_sync`` backward, then a synced one), each followed
+    by a synced backward alone: the gradients after each, and one device's."""
     mesh = vescale.init_device_mesh("cpu", (2,))
     rank = mesh.get_coordinate()[0]
     ddp = DistributedDataParallel(_Mlp(), dp_mesh=mesh)
+    model = _compiled(ddp) if compiled else ddp
     x, t = _batch()
     xs, ts = x.chunk(2), t.chunk(2)
     halves = [(xs[rank][:1], ts[rank][:1]), (xs[rank][1:], ts[rank][1:])]
-    with ddp.no_sync():
-        ddp(*halves[0]).backward()
-    ddp(*halves[1]).backward()
     ref = _Mlp()
-    for r in range(2):
-        for sl in (slice(0, 1), slice(1, None)):
-            (ref(xs[r][sl], ts[r][sl]) / 2).backward()
-    return {n: p.grad for n, p in ddp.module.named_parameters()}, {
-        n: p.grad for n, p in ref.named_parameters()
-    }
+    got, want = [], []
+    for _ in range(2):
+        with ddp.no_sync():
+            model(*halves[0]).backward()
+        model(*halves[1]).backward()
+        for r in range(2):
+            for sl in (slice(0, 1), slice(1, None)):
+                (ref(xs[r][sl], ts[r][sl]) / 2).backward()
+        got.append({n: p.grad.clone() for n, p in ddp.module.named_parameters()})
+        want.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+        ddp.module.zero_grad()
+        ref.zero_grad()
+        model(*halves[0]).backward()  # synced alone
+        for r in range(2):
+            (ref(xs[r][:1], ts[r][:1]) / 2).backward()
+        got.append({n: p.grad.clone() for n, p in ddp.module.named_parameters()})
+        want.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+        ddp.module.zero_grad()
+        ref.zero_grad()
+    return got, want
 
 
-def test_no_sync_accumulation_equals_one_device(pool2):
-    for got, want in pool2.run(_accumulated):
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], msg=name)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_no_sync_accumulation_equals_one_device(pool2, compiled):
+    """``no_sync`` accumulates locally, the next synced backward reduces the sums, the one
+    after reduces only its own (upstream's semantics), eager and compiled."""
+    for got, want in pool2.run(_accumulated, compiled):
+        for i, (g, w) in enumerate(zip(got, want)):
+            for name in w:
+                torch.testing.assert_close(g[name], w[name], msg=f"backward {i} {name}")
 
 
 def _broadcast_at_construction():

@@ -19,7 +19,11 @@ is no group to reduce them over), and so is a module mixing DTensor and plain pa
   ``bucket_cap_mb`` when given, which the ``bucket`` pass applies to them (one bucket policy
   for eager and compiled: :mod:`vescale.ddp.bucketing`); by default (``None``) eager uses
   :data:`~vescale.ddp.bucketing.DEFAULT_BUCKET_CAP_MB` and compiled the backend's
-  ``bucket_cap_mb`` option (same default).
+  ``bucket_cap_mb`` option (same default). Steps with ``find_unused_parameters=True``, inside
+  :meth:`~DistributedDataParallel.no_sync` and the first synced step after it run the
+  module's compiled graphs with the eager :class:`~vescale.ddp.reducer.Reducer` instead
+  (its hooks run after the compiled backward; its host steps between graphs), so they have
+  eager DDP's semantics, as upstream's compiled DDP.
 """
 
 from __future__ import annotations
@@ -168,7 +172,7 @@ class DistributedDataParallel(nn.Module):
       backend's option compiled);
     * ``find_unused_parameters``: a parameter that got no gradient on a rank is reduced as zero
       there; without it such a parameter raises :class:`~vescale.ddp.reducer.
-      UnusedParameterError` at the next forward on every rank (eager only).
+      UnusedParameterError` at the next forward on every rank.
 
     :meth:`no_sync` accumulates gradients locally. ``module`` stays reachable as ``.module``;
     its parameters are this wrapper's parameters (``ddp.parameters()`` feeds the optimizer)."""
@@ -201,6 +205,7 @@ class DistributedDataParallel(nn.Module):
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         self._sync_grads = True
+        self._unsynced = False  # gradients of a no_sync step wait for the next synced one
         self._buffers_synced = (
             [b for b in module.buffers() if not isinstance(b, _UpstreamDTensor)]
             if dp_mesh is not None
@@ -233,28 +238,39 @@ class DistributedDataParallel(nn.Module):
             self._sync_grads = saved
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and not self._reducer_step():
             return self._compiled_forward(args, kwargs)
+        self._start_reducer_step()
+        out = self.module(*args, **kwargs)  # the reducer's hooks reduce the gradients
+        self._arm_outputs(out)
+        return out
+
+    def _reducer_step(self) -> bool:
+        """Whether this step's gradients go through the eager :class:`Reducer` (its hooks run
+        after the backward, compiled or not): eagerly always; compiled under
+        ``find_unused_parameters``, inside :meth:`no_sync`, and in the first synced step
+        after it (which reduces the accumulated sums)."""
+        return self.find_unused_parameters or not self._sync_grads or self._unsynced
+
+    @torch.compiler.disable  # host work (flags, buffers' broadcast): eager, between graphs
+    def _start_reducer_step(self) -> None:
         self._reducer.check()
         self._reducer.active, self._reducer.sync = True, self._sync_grads
+        self._unsynced = not self._sync_grads
         if self.broadcast_buffers and self._buffers_synced:
             _broadcast_from_first(self._buffers_synced, self.dp_mesh)  # type: ignore[arg-type]
-        out = self.module(*args, **kwargs)  # the reducer's hooks reduce the gradients
+
+    @torch.compiler.disable
+    def _arm_outputs(self, out: Any) -> None:
         if self._sync_grads and torch.is_grad_enabled():
             for t in pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._arm)
-        return out
 
     def _arm(self, grad: torch.Tensor) -> None:
         self._reducer.arm()  # a backward without any parameter's gradient still reduces
 
     def _compiled_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.find_unused_parameters or not self._sync_grads:
-            raise NotImplementedError(
-                "DistributedDataParallel under torch.compile supports neither "
-                "find_unused_parameters=True nor no_sync(): run that model eagerly"
-            )
         self._reducer.active = False  # the gradients arrive reduced by the traced backward
         synced = {
             name: grad_sync(self.module.get_parameter(name), self.dp_mesh, self.bucket_cap_mb)
