@@ -296,6 +296,8 @@ def _set_timeouts(mesh: DeviceMesh, limit: datetime.timedelta, user_world: Any) 
     default group that existed before: the user's)."""
     if getattr(mesh, "_dim_group_names", None) is None or dist.get_backend() == "fake":
         return
+    if mesh.get_coordinate() is None:  # a rank outside the mesh holds none of its groups
+        return
     meshes = [mesh, *(m for m in flattened_meshes(mesh).values() if m is not None)]
     groups = {id(g): g for m in meshes for g in m.get_all_groups()}
     for group in groups.values():
