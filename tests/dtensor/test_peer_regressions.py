@@ -236,3 +236,22 @@ def test_deferred_init_under_meta_device_context():
     from vescale.dtensor.deferred_init import _materialize_tensor
 
     assert torch.equal(_materialize_tensor(r), torch.arange(5.0))
+
+
+# ---- legacy error wording: veScale legacy's tests match these phrases ------------------------
+
+
+def _check_legacy_error_wording():
+    mesh = mesh_of((2,))
+    t = torch.randn(4, 4, requires_grad=True) + 2
+    with pytest.raises(RuntimeError, match="distribute leaf tensor"):
+        vescale.distribute_tensor(t, mesh, [Shard(0)])
+    local = torch.randn(4, 4)
+    with pytest.raises(ValueError, match="Please pass both shape and stride at the same time!"):
+        vescale.from_local(local, mesh, [Replicate()], shape=local.size())
+    with pytest.raises(ValueError, match="Please pass both shape and stride at the same time!"):
+        vescale.from_local(local, mesh, [Replicate()], stride=local.stride())
+
+
+def test_legacy_error_wording(pool2):
+    pool2.run(_check_legacy_error_wording)

@@ -346,7 +346,7 @@ def distribute_tensor(
         raise RuntimeError(
             f"distribute_tensor: only leaf tensors can be distributed (got a non-leaf, made by "
             f"{type(tensor.grad_fn).__name__}, for {pl} on {mesh}): gradients would not reach "
-            f"its source; distribute the leaf, or pass tensor.detach()"
+            f"its source; distribute leaf tensors: the leaf, or tensor.detach()"
         )
     if find_ragged(pl) is not None:  # laid out with it as Replicate, then the local slice
         whole = distribute_tensor(
@@ -474,7 +474,8 @@ def _from_local_arguments(
         raise TypeError(f"from_local: expected a torch.Tensor, got {type(local_tensor).__name__}")
     if (shape is None) != (stride is None):
         raise ValueError(
-            f"from_local: pass both shape and stride or neither (got shape={shape}, stride={stride})"
+            f"from_local: pass both shape and stride or neither (got shape={shape}, "
+            f"stride={stride}); Please pass both shape and stride at the same time!"
         )
     ndim = local_tensor.ndim if ndim is None else ndim
     pl = normalize_placements(placements, mesh, ndim, what="from_local")
