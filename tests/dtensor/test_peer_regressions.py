@@ -255,3 +255,18 @@ def _check_legacy_error_wording():
 
 def test_legacy_error_wording(pool2):
     pool2.run(_check_legacy_error_wording)
+
+
+def _check_distribute_dtensor_elsewhere():
+    mesh = mesh_of((2, 2))
+    d = vescale.distribute_tensor(torch.randn(8, 8), mesh, [Shard(0), Shard(1)])
+    with pytest.raises(ValueError, match="to a different device mesh"):
+        vescale.distribute_tensor(d, mesh_of((4,)), [Shard(0)])
+    with pytest.raises(ValueError, match="to a different placements"):
+        vescale.distribute_tensor(d, mesh, [Shard(0), Replicate()])
+    with pytest.raises(TypeError, match="input is already a DTensor"):
+        vescale.distribute_tensor(d, mesh, [Shard(0), Shard(1)])
+
+
+def test_distribute_dtensor_to_another_mesh_or_placements(pool4):
+    pool4.run(_check_distribute_dtensor_elsewhere)

@@ -333,6 +333,19 @@ def distribute_tensor(
     """Distribute a global ``tensor`` (taken from coordinate 0) over ``device_mesh``."""
     mesh = _mesh(device_mesh, "distribute_tensor")
     if isinstance(tensor, _UpstreamDTensor):
+        if tensor.device_mesh != mesh:
+            raise ValueError(
+                f"distribute_tensor: cannot distribute a DTensor on {tensor.device_mesh} to a "
+                f"different device mesh {mesh}"
+            )
+        want = normalize_placements(
+            placements, mesh, tensor.ndim, what="distribute_tensor", shape=tensor.shape
+        )
+        if tuple(want) != tuple(tensor.placements):
+            raise ValueError(
+                f"distribute_tensor: cannot distribute a DTensor with placements "
+                f"{tensor.placements} to a different placements {want}; use .redistribute()"
+            )
         raise TypeError(
             f"distribute_tensor: input is already a DTensor (placements {tensor.placements} "
             f"on {tensor.device_mesh}); use .redistribute() to change its placements"
