@@ -236,3 +236,37 @@ def test_deferred_init_under_meta_device_context():
     from vescale.dtensor.deferred_init import _materialize_tensor
 
     assert torch.equal(_materialize_tensor(r), torch.arange(5.0))
+
+
+# ---- legacy error wording: veScale legacy's tests match these phrases ------------------------
+
+
+def _check_legacy_error_wording():
+    mesh = mesh_of((2,))
+    t = torch.randn(4, 4, requires_grad=True) + 2
+    with pytest.raises(RuntimeError, match="distribute leaf tensor"):
+        vescale.distribute_tensor(t, mesh, [Shard(0)])
+    local = torch.randn(4, 4)
+    with pytest.raises(ValueError, match="Please pass both shape and stride at the same time!"):
+        vescale.from_local(local, mesh, [Replicate()], shape=local.size())
+    with pytest.raises(ValueError, match="Please pass both shape and stride at the same time!"):
+        vescale.from_local(local, mesh, [Replicate()], stride=local.stride())
+
+
+def test_legacy_error_wording(pool2):
+    pool2.run(_check_legacy_error_wording)
+
+
+def _check_distribute_dtensor_elsewhere():
+    mesh = mesh_of((2, 2))
+    d = vescale.distribute_tensor(torch.randn(8, 8), mesh, [Shard(0), Shard(1)])
+    with pytest.raises(ValueError, match="to a different device mesh"):
+        vescale.distribute_tensor(d, mesh_of((4,)), [Shard(0)])
+    with pytest.raises(ValueError, match="to a different placements"):
+        vescale.distribute_tensor(d, mesh, [Shard(0), Replicate()])
+    with pytest.raises(TypeError, match="input is already a DTensor"):
+        vescale.distribute_tensor(d, mesh, [Shard(0), Shard(1)])
+
+
+def test_distribute_dtensor_to_another_mesh_or_placements(pool4):
+    pool4.run(_check_distribute_dtensor_elsewhere)

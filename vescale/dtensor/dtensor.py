@@ -358,6 +358,19 @@ def distribute_tensor(
     """Distribute a global ``tensor`` (taken from coordinate 0) over ``device_mesh``."""
     mesh = _mesh(device_mesh, "distribute_tensor")
     if isinstance(tensor, _UpstreamDTensor):
+        if tensor.device_mesh != mesh:
+            raise ValueError(
+                f"distribute_tensor: cannot distribute a DTensor on {tensor.device_mesh} to a "
+                f"different device mesh {mesh}"
+            )
+        want = normalize_placements(
+            placements, mesh, tensor.ndim, what="distribute_tensor", shape=tensor.shape
+        )
+        if tuple(want) != tuple(tensor.placements):
+            raise ValueError(
+                f"distribute_tensor: cannot distribute a DTensor with placements "
+                f"{tensor.placements} to a different placements {want}; use .redistribute()"
+            )
         raise TypeError(
             f"distribute_tensor: input is already a DTensor (placements {tensor.placements} "
             f"on {tensor.device_mesh}); use .redistribute() to change its placements"
@@ -371,7 +384,7 @@ def distribute_tensor(
         raise RuntimeError(
             f"distribute_tensor: only leaf tensors can be distributed (got a non-leaf, made by "
             f"{type(tensor.grad_fn).__name__}, for {pl} on {mesh}): gradients would not reach "
-            f"its source; distribute the leaf, or pass tensor.detach()"
+            f"its source; distribute leaf tensors: the leaf, or tensor.detach()"
         )
     if find_ragged(pl) is not None:  # laid out with it as Replicate, then the local slice
         whole = distribute_tensor(
@@ -499,7 +512,8 @@ def _from_local_arguments(
         raise TypeError(f"from_local: expected a torch.Tensor, got {type(local_tensor).__name__}")
     if (shape is None) != (stride is None):
         raise ValueError(
-            f"from_local: pass both shape and stride or neither (got shape={shape}, stride={stride})"
+            f"from_local: pass both shape and stride or neither (got shape={shape}, "
+            f"stride={stride}); Please pass both shape and stride at the same time!"
         )
     ndim = local_tensor.ndim if ndim is None else ndim
     pl = normalize_placements(placements, mesh, ndim, what="from_local")
