@@ -248,6 +248,10 @@ UNREACHED: dict[str, str] = {
     "aten.randint_like.Tensor": "needs a tensor `high`; torch.randint_like's Python binding "
     "takes ints only, so no program reaches it",
     "aten.randint_like.Tensor_generator": "as aten.randint_like.Tensor",
+    "aten._scaled_dot_product_flash_attention.default": "a CUDA kernel (no CPU one); its "
+    "handler runs upstream's sharding and only moves the Philox offset per shard "
+    "(tests/dtensor/test_random_philox.py checks it on meta tensors)",
+    "aten._scaled_dot_product_efficient_attention.default": "as the flash attention kernel",
     "aten.reshape.default": "CompositeImplicit: decomposed into view/_unsafe_view before "
     "DTensor dispatch (validated through those)",
 }

@@ -56,8 +56,12 @@ def _everyone(mine: Any) -> list[Any]:
 
 
 def _sequences(graphs: list[CompiledGraph]) -> list[tuple[str, list[str]]]:
-    """Each compiled graph's collective sequence, without the (per-file) source lines."""
-    return [(g.name, [s.split(" @ ")[0] for s in g.ctx.reports["fingerprint"]]) for g in graphs]
+    """Each compiled graph's kind (forward/backward) and collective sequence, without the
+    (per-file) source lines; graph numbers count per process, so they may differ by rank."""
+    return [
+        (g.name.rpartition(".")[2], [s.split(" @ ")[0] for s in g.ctx.reports["fingerprint"]])
+        for g in graphs
+    ]
 
 
 class Shifted(nn.Module):

@@ -54,13 +54,16 @@ def test_512_rank_gpt_block_propagation_and_choice_under_30s():
 def test_plan_scale_benchmark_quick_rows():
     """``benchmarks/plan_scale.py --quick --no-solve`` (the Llama-3-8B shape, 1 and 2 layers on
     a meta (8, 8) mesh, one 8192-token sequence per rank) runs and prints both rows."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "plan_scale.py"
+    root = Path(__file__).resolve().parents[2]
+    script = root / "benchmarks" / "plan_scale.py"
     out = subprocess.run(
         [sys.executable, str(script), "--quick", "--no-solve"],
+        env={**os.environ, "PYTHONPATH": str(root)},
         capture_output=True,
         text=True,
         check=False,

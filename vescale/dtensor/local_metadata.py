@@ -174,8 +174,9 @@ def gather_records(mine: LocalRecord, mesh: Any, device: torch.device) -> list[L
 
 def gathered_shapes(shape: Sequence[int], mesh: Any) -> dict[int, tuple[int, ...]] | None:
     """Every rank of ``mesh``'s local ``shape`` by rank, exchanged on the host (one all-gather,
-    :func:`host_groups`); ``None`` where no host route exists."""
-    if host_groups(mesh) is None:
+    :func:`host_groups`); ``None`` where no host route exists (or the ``fake`` group, whose
+    collectives move nothing)."""
+    if dist.get_backend() == "fake" or host_groups(mesh) is None:
         return None
     mine = [dist.get_rank(), *shape]
     data = b"".join(int(v).to_bytes(8, "little", signed=True) for v in mine)
