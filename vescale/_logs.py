@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from vescale._torch_compat import trace_structured
 
-__all__ = ["artifact", "debug", "info", "logger"]
+__all__ = ["artifact", "debug", "info", "logger", "rank0"]
 
 
 def logger(module: str) -> logging.Logger:
@@ -31,19 +31,20 @@ def logger(module: str) -> logging.Logger:
     return logging.getLogger(module)
 
 
-def _rank0() -> bool:
+def rank0() -> bool:
+    """Whether this process is global rank 0 (or runs without ``torch.distributed``)."""
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def info(log: logging.Logger, msg: str, *args: Any) -> None:
     """``log.info(msg, *args)`` on global rank 0."""
-    if _rank0() and log.isEnabledFor(logging.INFO):
+    if rank0() and log.isEnabledFor(logging.INFO):
         log.info(msg, *args, stacklevel=2)
 
 
 def debug(log: logging.Logger, msg: str, *args: Any) -> None:
     """``log.debug(msg, *args)`` on global rank 0."""
-    if _rank0() and log.isEnabledFor(logging.DEBUG):
+    if rank0() and log.isEnabledFor(logging.DEBUG):
         log.debug(msg, *args, stacklevel=2)
 
 

@@ -25,10 +25,8 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
 from vescale._env import env_flag
-from vescale._logs import logger
+from vescale._logs import logger, rank0
 
 __all__ = ["ENV", "Stage", "enabled", "forced", "stage"]
 
@@ -64,10 +62,6 @@ def forced(on: bool | None) -> Iterator[None]:
         _forced.reset(token)
 
 
-def _rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 def _write(text: str) -> None:
     sys.stderr.write(text)
     sys.stderr.flush()
@@ -79,7 +73,7 @@ def stage(name: str, on: bool | None = None) -> Iterator[Stage]:
     :func:`enabled`); the yielded :class:`Stage` takes a ``detail``. Every rank reads the
     setting (so a bad value raises everywhere); rank 0 writes."""
     current = Stage(name)
-    if not ((enabled() if on is None else on) and _rank0()):
+    if not ((enabled() if on is None else on) and rank0()):
         yield current
         return
     if logging.getLogger("vescale").isEnabledFor(logging.INFO):

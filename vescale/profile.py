@@ -22,7 +22,6 @@ unmatched.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ import torch.distributed as dist
 
 from vescale.backend import CompiledGraph, capture_graphs
 from vescale.fx.collectives import COLLECTIVE_KINDS, WAIT_TENSOR, node_bytes, user_source
-from vescale.fx.timeline import chrome_trace, estimate_us
+from vescale.fx.timeline import estimate_us, write_schedule_json
 
 __all__ = ["CollectiveTiming", "StepProfile", "profile_step"]
 
@@ -99,11 +98,11 @@ def profile_step(
         )
     _synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if _cuda_in_use():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
         step(*args, **kwargs)
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if _cuda_in_use():
             torch.cuda.synchronize()
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
@@ -112,17 +111,21 @@ def profile_step(
     estimated = []
     for g in graphs:
         path = folder / f"{g.name}.schedule.json"
-        path.write_text(json.dumps(chrome_trace(g.gm, g.name), indent=0) + "\n")
+        write_schedule_json(path, g.gm, g.name)
         estimated.append(path)
     events = _host_events(prof)
     rows = [row for g in graphs for row in _match(g, events)]
     return StepProfile(rows, measured, estimated)
 
 
+def _cuda_in_use() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def _synchronize() -> None:
     """Wait for queued device work and for the other ranks (so the profiled call's first
     collective does not absorb the skew the compile left between ranks)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if _cuda_in_use():
         torch.cuda.synchronize()
     if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
         dist.barrier()

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import vescale
+from tests.ddp.mlp import Mlp
 from tests.dtensor.reference import mesh_of
 from tests.harness.collectives import count_collectives
 from tests.harness.misuse import error_everywhere
@@ -153,17 +154,6 @@ def test_eager_gradients_in_parameter_placements_and_bucketed(pool4):
 # ---- data parallelism alone (dp=2): plain parameters, one bucket policy ----------------------
 
 
-class _Mlp(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1 = nn.Linear(4, 8)
-        self.fc2 = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.mse_loss(self.fc2(torch.tanh(self.fc1(x))), target)
-
-
 def _batch():
     g = torch.Generator().manual_seed(5)
     return torch.randn(6, 4, generator=g), torch.randn(6, 3, generator=g)
@@ -184,10 +174,10 @@ def _plain_step(compiled):
     mesh = vescale.init_device_mesh("cpu", (2,))
     x, t = _batch()
     rank = mesh.get_coordinate()[0]
-    ddp = DistributedDataParallel(_Mlp(), dp_mesh=mesh)
+    ddp = DistributedDataParallel(Mlp(), dp_mesh=mesh)
     model = torch.compile(ddp, backend="vescale", options={"strict": True}) if compiled else ddp
     got = _sgd_step(model, ddp.module, x.chunk(2)[rank], t.chunk(2)[rank])
-    ref = _Mlp()
+    ref = Mlp()
     return got, _sgd_step(ref, ref, x, t)
 
 
@@ -202,7 +192,7 @@ def test_plain_parameters_train_like_one_device_on_the_whole_batch(pool2):
 
 
 def _dp_model(mesh, bucket_cap_mb):
-    net = _Mlp()
+    net = Mlp()
     for name, p in list(net.named_parameters()):
         owner, _, leaf = name.rpartition(".")
         dt = vescale.distribute_tensor(p.detach(), mesh, [Replicate()])
@@ -232,7 +222,7 @@ def _bucket_sizes(cases):
                 if r["kind"] == "all_reduce" and r["graph"].endswith("backward")
             ]
             out[case] = (len(sizes), sum(sizes))
-        ref = _Mlp()
+        ref = Mlp()
         ref(*_batch()).backward()
         for (name, p), want in zip(ddp.module.named_parameters(), ref.parameters()):
             assert tuple(p.grad.placements) == (Replicate(),), (case, name, p.grad.placements)
@@ -348,12 +338,12 @@ def _accumulated(compiled: bool = False):
     by a synced backward alone: the gradients after each, and one device's."""
     mesh = vescale.init_device_mesh("cpu", (2,))
     rank = mesh.get_coordinate()[0]
-    ddp = DistributedDataParallel(_Mlp(), dp_mesh=mesh)
+    ddp = DistributedDataParallel(Mlp(), dp_mesh=mesh)
     model = _compiled(ddp) if compiled else ddp
     x, t = _batch()
     xs, ts = x.chunk(2), t.chunk(2)
     halves = [(xs[rank][:1], ts[rank][:1]), (xs[rank][1:], ts[rank][1:])]
-    ref = _Mlp()
+    ref = Mlp()
     got, want = [], []
     for _ in range(2):
         with ddp.no_sync():
@@ -406,7 +396,7 @@ def _steady_step():
     from tests.harness.host_sync import count_host_syncs
 
     mesh = vescale.init_device_mesh("cpu", (2,))
-    ddp = DistributedDataParallel(_Mlp(), dp_mesh=mesh, bucket_cap_mb=_CAP_TWO)
+    ddp = DistributedDataParallel(Mlp(), dp_mesh=mesh, bucket_cap_mb=_CAP_TWO)
     x, t = _batch()
     for _ in range(2):
         ddp(x, t).backward()

@@ -19,10 +19,10 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import vescale
+from tests.ddp.mlp import Mlp
 from tests.dtensor.reference import mesh_of
 from tests.harness.collectives import count_collectives
 from tests.harness.fresh import run_fresh
@@ -41,15 +41,12 @@ def _blank_graph_ids(text: str) -> str:
     return re.sub(r"graph\d+", "graph_", text)
 
 
-class _Mlp(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1 = nn.Linear(4, 8)
-        self.fc2 = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.mse_loss(self.fc2(torch.tanh(self.fc1(x))), target)
+def _one_error(pool, fn, *args):  # type: ignore[no-untyped-def]
+    """The one error ``fn(*args)`` raises on every rank, graph numbers blanked (they count
+    per process), within :data:`WITHIN_S` under the short agreement timeout."""
+    return error_everywhere(
+        pool, fn, *args, env=SHORT, within_s=WITHIN_S, timeout_s=120, normalize=_blank_graph_ids
+    )
 
 
 def _batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,22 +87,14 @@ def _assert_names_both_graphs(text: str, local: str, recompiled: bool = True) ->
 def test_uneven_last_batch_of_a_from_local_graph_is_one_error_everywhere(pool2, dynamic):
     """Static: rank 1 recompiles alone. Dynamic: one graph on both ranks, whose local sizes
     at this call differ (the per-call digest holds them)."""
-    err = error_everywhere(
-        pool2,
-        _plain_from_local_graph,
-        dynamic,
-        env=SHORT,
-        within_s=WITHIN_S,
-        timeout_s=120,
-        normalize=_blank_graph_ids,
-    )
+    err = _one_error(pool2, _plain_from_local_graph, dynamic)
     assert err.kind == "RankDivergenceError", err
     _assert_names_both_graphs(_blank_graph_ids(err.message), "6", recompiled=not dynamic)
 
 
 def _compiled_ddp_from_local() -> None:
     mesh = mesh_of((2,))
-    net = _Mlp()
+    net = Mlp()
     for name, p in list(net.named_parameters()):
         owner, _, leaf = name.rpartition(".")
         dt = vescale.distribute_tensor(p.detach(), mesh, [Replicate()])
@@ -125,14 +114,7 @@ def _compiled_ddp_from_local() -> None:
 
 
 def test_compiled_ddp_uneven_last_batch_is_one_error_everywhere(pool2):
-    err = error_everywhere(
-        pool2,
-        _compiled_ddp_from_local,
-        env=SHORT,
-        within_s=WITHIN_S,
-        timeout_s=120,
-        normalize=_blank_graph_ids,
-    )
+    err = _one_error(pool2, _compiled_ddp_from_local)
     assert err.kind == "RankDivergenceError", err
     _assert_names_both_graphs(_blank_graph_ids(err.message), "4")
 
@@ -142,9 +124,9 @@ def _plain_ddp_steps(compiled: bool) -> tuple[dict[str, torch.Tensor], dict[str,
     reference (each step's loss the mean of the ranks' mean losses: DDP averages the
     gradients)."""
     mesh = mesh_of((2,))
-    ddp = DistributedDataParallel(_Mlp(), dp_mesh=mesh)
+    ddp = DistributedDataParallel(Mlp(), dp_mesh=mesh)
     model = torch.compile(ddp, backend="vescale", options={"codegen": "fx"}) if compiled else ddp
-    ref = _Mlp()
+    ref = Mlp()
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp.module, ref)]
     torch._dynamo.reset()
     for i, rows in enumerate(BATCHES):

@@ -62,3 +62,22 @@ def train(
         for k, v in model.named_parameters()
     }
     return losses, params
+
+
+def meta_gpt_problem(cfg: Any, batch: Any) -> tuple[Any, Any, dict[str, Any], torch.nn.Module]:
+    """The GPT of ``cfg`` captured for a meta (dp=2, tp=2) mesh, its inputs' choices those of
+    the plan-path ``batch`` placement: (mesh, joint graph, free input choices, model)."""
+    import gpt
+
+    from vescale.plan.batch import batch_choices
+    from vescale.plan.capture import capture_joint
+
+    mesh = vescale.DeviceMesh("meta", torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp"))
+    example, model = gpt.batch(cfg, 0), gpt.build(cfg)
+    joint = capture_joint(model, example)
+    nparams = len(list(model.parameters()))
+    free = {
+        ph: batch_choices("x", batch, t, mesh)
+        for ph, t in zip(joint.placeholder_names[nparams:], example)
+    }
+    return mesh, joint, free, model

@@ -27,10 +27,9 @@ import torch
 
 import vescale
 from tests.harness.misuse import error_everywhere
-from tests.plan.gpt_cases import gpt_mesh, train
+from tests.plan.gpt_cases import gpt_mesh, meta_gpt_problem, train
 from vescale import Replicate
 from vescale.plan import AlphaBeta, Batch, PlanError
-from vescale.plan.capture import capture_joint
 from vescale.plan.program import place
 
 # fixed costs (20 us, 1 GB/s, 10 GB/s memory, 10 GFLOP/s): the choice does not depend on load
@@ -242,32 +241,13 @@ def _infeasible() -> None:
     _placed(64, 1000, compile=False)
 
 
-def _meta_problem(vocab: int):  # type: ignore[no-untyped-def]
-    """The GPT of ``_cfg(vocab)`` captured for a meta (dp=2, tp=2) mesh, its inputs free
-    over both mesh dims: (mesh, joint graph, fixed placements, model)."""
-    import gpt
-
-    from vescale.plan.batch import batch_choices
-
-    mesh = vescale.DeviceMesh("meta", torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp"))
-    cfg = _cfg(vocab)
-    example, model = gpt.batch(cfg, 0), gpt.build(cfg)
-    joint = capture_joint(model, example)
-    nparams = len(list(model.parameters()))
-    free = {
-        ph: batch_choices("x", FREE, t, mesh)
-        for ph, t in zip(joint.placeholder_names[nparams:], example)
-    }
-    return mesh, joint, free, model
-
-
 def test_infeasible_budget_names_the_smallest_that_fits(pool4):
     error = error_everywhere(pool4, _infeasible, timeout_s=300)
     assert error.kind == "PlanError", error
     assert "memory_budget=1000 bytes per rank fits no placement" in error.message, error
     least = int(re.search(r"smallest budget that fits is (\d+) bytes", error.message)[1])
     # the same number from a meta mesh (no ranks): it fits, one byte less does not
-    mesh, joint, free, _ = _meta_problem(64)
+    mesh, joint, free, _ = meta_gpt_problem(_cfg(64), FREE)
     program = place(joint, mesh, free, None, COSTS, buckets=True, memory_budget=least)
     assert program.memory is not None and program.memory.of(program.chosen)["total"] <= least
     with pytest.raises(PlanError, match=f"smallest budget that fits is {least} bytes"):
@@ -280,7 +260,7 @@ def test_budget_branches_on_the_relaxations_fractional_nodes(monkeypatch):
     node, which fits (meta mesh, the GPT above with vocab 64, budget twice its parameters)."""
     import vescale.plan.solve as solve
 
-    mesh, joint, free, model = _meta_problem(64)
+    mesh, joint, free, model = meta_gpt_problem(_cfg(64), FREE)
     budget = 2 * _param_bytes(model)
     fixed = place(joint, mesh, free, None, COSTS, buckets=True, memory_budget=budget)
     branch = solve._branch

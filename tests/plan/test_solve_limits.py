@@ -20,11 +20,9 @@ import pytest
 import torch
 
 import vescale
-from tests.plan.gpt_cases import GPT_PLAN
+from tests.plan.gpt_cases import GPT_PLAN, meta_gpt_problem
 from vescale import Replicate, Shard
 from vescale.plan import AlphaBeta, Batch, PlanError
-from vescale.plan.batch import batch_choices
-from vescale.plan.capture import capture_joint
 from vescale.plan.explain import explain
 from vescale.plan.program import place
 from vescale.plan.recipes import megatron_shard_dims
@@ -41,16 +39,7 @@ def _no_plan_cache(monkeypatch: pytest.MonkeyPatch) -> None:
 def _problem(batch: Batch, vocab: int, dim: int, seq: int):  # type: ignore[no-untyped-def]
     import gpt
 
-    mesh = vescale.DeviceMesh("meta", torch.arange(4).view(2, 2), mesh_dim_names=("dp", "tp"))
-    cfg = gpt.GPTConfig(vocab=vocab, seq=seq, dim=dim, heads=4, layers=1)
-    example, model = gpt.batch(cfg, 0), gpt.build(cfg)
-    joint = capture_joint(model, example)
-    nparams = len(list(model.parameters()))
-    free = {
-        ph: batch_choices("x", batch, t, mesh)
-        for ph, t in zip(joint.placeholder_names[nparams:], example)
-    }
-    return mesh, joint, free, model
+    return meta_gpt_problem(gpt.GPTConfig(vocab=vocab, seq=seq, dim=dim, heads=4, layers=1), batch)
 
 
 def test_a_solve_stopped_at_once_returns_the_cheapest_recipe() -> None:
