@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import sys
 import threading
@@ -51,6 +52,9 @@ BEAT_S = 1.0
 STALE_S = 3.0
 """A rank whose heartbeat is older than this is named as silent (three missed beats)."""
 _KEY = "vescale/heartbeat/rank{}"
+_GAVE_UP = "StuckRankError in: "
+"""The heartbeat of a rank that raised :class:`StuckRankError` (it may then exit: its peers
+name it as having given up, not as stuck)."""
 _PEER_LOSS = ("imed out", "closed by peer", "Connection reset", "Broken pipe")
 
 _activity = "no vescale collective yet"
@@ -108,7 +112,9 @@ class collective:
         if _world is None or not any(s in text for s in _PEER_LOSS):
             return
         first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
-        raise StuckRankError(f"{diagnosis(self.what, wait=True)} ({first})") from err
+        message = diagnosis(self.what, wait=True)
+        _gave_up(self.what)
+        raise StuckRankError(f"{message} ({first})") from err
 
 
 def start() -> None:
@@ -147,6 +153,14 @@ def _store() -> Any:
 
 def _beat(store: Any, rank: int) -> None:
     store.set(_KEY.format(rank), f"{time.time():.3f} {_activity}")
+
+
+def _gave_up(what: str) -> None:
+    """Beat once now with :data:`_GAVE_UP` (best effort: the store may be gone)."""
+    global _activity
+    _activity = f"{_GAVE_UP}{what}"
+    with contextlib.suppress(Exception):
+        _beat(_store(), dist.get_rank())
 
 
 def _run(world: Any, rank: int, size: int) -> None:
@@ -189,19 +203,27 @@ def _silent(store: Any, rank: int, size: int) -> dict[int, tuple[float, str]]:
     return {r: v for r, v in _peers(store, rank, size).items() if v[0] > STALE_S}
 
 
-def _message(what: str, silent: dict[int, tuple[float, str]], waited: float) -> str:
+def _message(what: str, quiet: dict[int, tuple[float, str]], waited: float) -> str:
+    """The diagnosis: ranks that gave up (raised :class:`StuckRankError`) are named apart from
+    the silent ones, whom they waited for too."""
     head = f"vescale: rank {dist.get_rank()} waited {waited:.1f} s in {what}"
+    silent = {r: v for r, v in quiet.items() if not v[1].startswith(_GAVE_UP)}
+    gave_up = "".join(
+        f"; rank {r} raised StuckRankError {age:.1f} s ago in: {last[len(_GAVE_UP) :]}"
+        for r, (age, last) in sorted(quiet.items())
+        if r not in silent
+    )
     if not silent:
         return (
             f"{head}; every rank's heartbeat is fresh: a rank is alive but elsewhere, or the "
-            f"collective is slower than {ENV}={timeout().total_seconds():g}"
+            f"collective is slower than {ENV}={timeout().total_seconds():g}{gave_up}"
         )
     shown = "; ".join(
         f"rank {r} silent for {'ever' if age == float('inf') else f'{age:.1f} s'} "
         f"(stopped, hung or gone), at its last heartbeat in: {last}"
         for r, (age, last) in sorted(silent.items())
     )
-    return f"{head}, which {'they miss' if len(silent) > 1 else 'it misses'}: {shown}"
+    return f"{head}, which {'they miss' if len(silent) > 1 else 'it misses'}: {shown}{gave_up}"
 
 
 def diagnosis(what: str, *, wait: bool = False) -> str:

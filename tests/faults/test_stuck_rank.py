@@ -100,3 +100,15 @@ def test_a_wrong_watchdog_switch_is_an_error_naming_it(monkeypatch, value):
     monkeypatch.setenv("VESCALE_WATCHDOG", value)
     with pytest.raises(ValueError, match=f"VESCALE_WATCHDOG={value!r} is not a boolean"):
         _watchdog.start()
+
+
+def test_a_rank_that_gave_up_is_named_apart_from_the_silent_one(monkeypatch):
+    # rank 0 raised StuckRankError and exited: rank 1 names rank 2 as the one it misses
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    what = "vescale.ddp all-reduce of gradient bucket 0"
+    quiet = {0: (9.0, _watchdog._GAVE_UP + what), 2: (13.0, what)}
+    assert _watchdog._message(what, quiet, 4.0) == (
+        f"vescale: rank 1 waited 4.0 s in {what}, which it misses: rank 2 silent for 13.0 s "
+        f"(stopped, hung or gone), at its last heartbeat in: {what}; "
+        f"rank 0 raised StuckRankError 9.0 s ago in: {what}"
+    )

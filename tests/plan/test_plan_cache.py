@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.harness.misuse import error_everywhere
-from tests.plan.test_choice_space import COSTS, _meta_problem, _param_bytes
+from tests.plan.gpt_cases import meta_gpt_problem
+from tests.plan.test_choice_space import COSTS, FREE, _cfg, _param_bytes
 from vescale.plan.program import place
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +28,7 @@ def _choice(program):  # type: ignore[no-untyped-def]
 def test_second_solve_of_the_same_problem_reads_the_first(tmp_path, monkeypatch):
     monkeypatch.setenv("VESCALE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("VESCALE_PLAN_CACHE", "1")
-    mesh, joint, free, model = _meta_problem(64)
+    mesh, joint, free, model = meta_gpt_problem(_cfg(64), FREE)
     first = place(joint, mesh, free, None, COSTS, buckets=True)
     assert not first.solution.status.endswith("(cached)"), first.solution.status
     (entry,) = (tmp_path / "plans").iterdir()
@@ -53,7 +54,7 @@ def test_second_solve_of_the_same_problem_reads_the_first(tmp_path, monkeypatch)
 
 def test_cache_off_and_a_wrong_value(tmp_path, monkeypatch):
     monkeypatch.setenv("VESCALE_CACHE_DIR", str(tmp_path))
-    mesh, joint, free, _ = _meta_problem(64)
+    mesh, joint, free, _ = meta_gpt_problem(_cfg(64), FREE)
     monkeypatch.setenv("VESCALE_PLAN_CACHE", "off")
     place(joint, mesh, free, None, COSTS, solver="greedy")
     assert not (tmp_path / "plans").exists()
@@ -63,9 +64,10 @@ def test_cache_off_and_a_wrong_value(tmp_path, monkeypatch):
 
 
 _PLACE = """
-from tests.plan.test_choice_space import COSTS, _meta_problem
+from tests.plan.gpt_cases import meta_gpt_problem
+from tests.plan.test_choice_space import COSTS, FREE, _cfg
 from vescale.plan.program import place
-mesh, joint, free, model = _meta_problem(64)
+mesh, joint, free, model = meta_gpt_problem(_cfg(64), FREE)
 print(place(joint, mesh, free, None, COSTS, solver="greedy", memory_budget=10**9).solution.status)
 """
 
