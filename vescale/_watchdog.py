@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import sys
@@ -42,6 +43,7 @@ __all__ = [
     "diagnosis",
     "enabled",
     "start",
+    "stop",
     "timeout",
 ]
 
@@ -61,6 +63,8 @@ _activity = "no vescale collective yet"
 _depth = 0  # nesting of ``collective`` blocks on the main thread
 _entered = 0.0  # time.monotonic() when the outermost block began
 _world: Any = None  # the default group the running heartbeat belongs to
+_thread: threading.Thread | None = None
+_stop = threading.Event()
 _seen: tuple[float, dict[int, tuple[float, str]]] | None = None  # peers as last read, when
 
 
@@ -120,17 +124,32 @@ class collective:
 def start() -> None:
     """Start this process's heartbeat for the current default group (once per group; nothing
     without a real multi-rank group or with ``VESCALE_WATCHDOG=0``)."""
-    global _world
+    global _world, _thread
     on = enabled()  # parsed first: a wrong value is an error even on one rank
     if not on or not active() or _world is dist.group.WORLD:
         return
+    stop()
+    _stop.clear()
     _world = dist.group.WORLD
-    threading.Thread(
+    _thread = threading.Thread(
         target=_run,
         args=(_world, dist.get_rank(), dist.get_world_size()),
         name="vescale-heartbeat",
         daemon=True,
-    ).start()
+    )
+    _thread.start()
+
+
+@atexit.register
+def stop() -> None:
+    """End the heartbeat and wait for it (at exit too: a daemon thread still inside a store call
+    when the interpreter finalizes is killed there, and the process aborts with ``terminate
+    called without an active exception``)."""
+    global _thread
+    _stop.set()
+    if _thread is not None:
+        _thread.join(timeout=2 * STALE_S + BEAT_S)  # a store call waits at most 2 * STALE_S
+    _thread = None
 
 
 def _store() -> Any:
@@ -167,7 +186,7 @@ def _run(world: Any, rank: int, size: int) -> None:
     global _seen
     reported = -1.0
     store = None
-    while _world is world:
+    while _world is world and not _stop.is_set():
         try:
             store = _store() if store is None else store
             _beat(store, rank)
@@ -180,7 +199,7 @@ def _run(world: Any, rank: int, size: int) -> None:
                     print(_message(_activity, silent, waited), file=sys.stderr, flush=True)
         except Exception:  # the store is gone (the group was destroyed) or slow: beat again
             pass
-        time.sleep(BEAT_S)
+        _stop.wait(BEAT_S)
 
 
 def _peers(store: Any, rank: int, size: int) -> dict[int, tuple[float, str]]:

@@ -112,3 +112,38 @@ def test_a_rank_that_gave_up_is_named_apart_from_the_silent_one(monkeypatch):
         f"(stopped, hung or gone), at its last heartbeat in: {what}; "
         f"rank 0 raised StuckRankError 9.0 s ago in: {what}"
     )
+
+
+class _SlowStore:
+    """A store whose ``set`` blocks (a peer's host under load), counting the calls."""
+
+    def __init__(self) -> None:
+        self.sets = 0
+
+    def set(self, key: str, value: str) -> None:
+        self.sets += 1
+        time.sleep(0.5)
+
+
+def test_stop_ends_the_heartbeat_before_the_interpreter_finalizes(monkeypatch):
+    # a daemon thread still inside a store call at finalization aborts the process ("terminate
+    # called without an active exception"): stop(), registered with atexit, waits for it
+    store = _SlowStore()
+    monkeypatch.setattr(_watchdog, "active", lambda: True)
+    monkeypatch.setattr(_watchdog, "_store", lambda: store)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(_watchdog, "_world", object())  # not the (absent) default group
+    _watchdog.start()
+    thread = _watchdog._thread
+    try:
+        assert thread is not None and thread.is_alive()
+        deadline = time.monotonic() + 10
+        while store.sets == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store.sets >= 1
+    finally:
+        _watchdog.stop()
+        monkeypatch.setattr(_watchdog, "_world", None)
+    assert not thread.is_alive()
+    assert _watchdog._thread is None
