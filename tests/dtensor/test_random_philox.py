@@ -16,11 +16,13 @@ import torch.nn.functional as F
 
 import vescale
 from tests.dtensor.reference import coord_of
-from tests.harness import local_world
-from vescale import Partial, Replicate, Shard
-from vescale._torch_compat import DTensorSpec, StridedShard, TensorMeta
+from tests.harness import fake_world, local_world
+from vescale import Partial, RaggedShard, Replicate, Shard
+from vescale._torch_compat import DTensorSpec, StridedShard, TensorMeta, TorchDispatchMode, pytree
 from vescale.dtensor import random as vrandom
 from vescale.dtensor.layout import contiguous_strides, local_indices
+from vescale.dtensor.ragged import ragged_local_range
+from vescale.initialize import deferred_init, materialize_dtensor
 
 aten = torch.ops.aten
 
@@ -279,3 +281,129 @@ def test_sdpa_dropout_offsets_per_simulated_rank(philox, monkeypatch):
     assert [n for _, _, n in philox.calls] == [2 * 2 * 16 * 8] * 4  # each rank's own shard
     assert starts[0] == starts[2] != starts[1] == starts[3]
     assert len({e for _, e, _ in philox.calls}) == 1
+
+
+# ---- deferred init and vescale.fsdp materialization on a Philox device ------------------
+
+
+class _Sizes(TorchDispatchMode):
+    """The element count of every tensor an op makes within the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in pytree.tree_leaves(out):
+            if isinstance(o, torch.Tensor):
+                self.sizes.append(o.numel())
+        return out
+
+
+DEFERRED_LAYOUTS = [
+    ((4,), [Shard(0)]),
+    ((4,), [Shard(1)]),
+    ((2, 2), [Replicate(), Shard(1)]),
+    ((2, 2), [Shard(0), Shard(1)]),
+    ((4,), [RaggedShard(dims=(0,), local_units=(1, 2, 0, 1))]),  # vescale.fsdp's layout
+    ((2, 2), [Replicate(), RaggedShard(dims=(0,), local_units=(3, 1))]),  # HSDP's
+]
+DEFERRED_OPS = {
+    "uniform_": (lambda: torch.empty(8, 12).uniform_(-1.0, 1.0), lambda t: t.uniform_(-1.0, 1.0)),
+    "randn": (lambda: torch.randn(8, 12), lambda t: t.normal_()),
+}
+
+
+def _rank_mesh(mesh_shape, rank) -> vescale.DeviceMesh:
+    """A CPU mesh as rank ``rank`` sees it, without process groups."""
+    ranks = torch.arange(4).reshape(mesh_shape)
+    return vescale.DeviceMesh("cpu", ranks, _rank=rank, _init_backend=False)
+
+
+def _shard_shape(shape, mesh, placements, coord) -> tuple[int, ...]:
+    if any(isinstance(p, RaggedShard) for p in placements):
+        return (ragged_local_range(shape, mesh, placements, coord)[1],)
+    return tuple(len(ix) for ix in local_indices(shape, mesh, placements, coord))
+
+
+@pytest.mark.parametrize("op", sorted(DEFERRED_OPS))
+@pytest.mark.parametrize("mesh_shape,placements", DEFERRED_LAYOUTS, ids=str)
+def test_deferred_init_draws_each_shard_at_its_offsets(philox, op, mesh_shape, placements):
+    """A deferred random init materialized as a DTensor on a Philox device (each rank's mesh
+    coordinate in turn, meshes without groups: none is needed): recording draws nothing and
+    moves the generator past a reservation for any layout (world size x elements); each
+    rank's materialization is one draw of exactly its shard's elements at its shard's
+    offsets within it (the offsets the same op on a DTensor of that layout draws at), no
+    tensor larger than the shard is made (per-dim index sets aside), the CPU generator is untouched; replicas equal,
+    shards differ. ``materialize_dtensor`` with a RaggedShard is what vescale.fsdp runs."""
+    make, draw = DEFERRED_OPS[op]
+    shape = (8, 12)
+    torch.manual_seed(0)
+    cpu_state = torch.get_rng_state()
+    locals_ = {}
+    with fake_world(4):
+        for rank in range(4):
+            philox.calls.clear()
+            t = deferred_init(make)
+            assert philox.calls == [(0, 4 * 96, 0)], philox.calls  # reserved, nothing drawn
+            philox.calls.clear()
+            mesh = _rank_mesh(mesh_shape, rank)
+            with _Sizes() as made:
+                d = materialize_dtensor(t, mesh, placements)
+            coord = coord_of(mesh_shape, rank)
+            local = d.to_local()
+            want_shape = _shard_shape(shape, mesh, placements, coord)
+            assert tuple(local.shape) == want_shape and local.device.type == "cpu"
+            numel = math.prod(want_shape)
+            start, end = vrandom.philox_offsets(_spec(mesh, placements, shape), coord)
+            assert philox.calls == [(start, end, numel)], (rank, philox.calls)
+            # O(shard): the shard and per-dim index sets, never the whole tensor
+            assert max(made.sizes) <= max(numel, *shape), (rank, made.sizes)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(1000 + start)
+                want = draw(torch.empty(numel)).view(want_shape)
+            assert torch.equal(local, want), rank
+            locals_[rank] = (start, local)
+    assert torch.equal(torch.get_rng_state(), cpu_state)
+    by_start: dict[int, torch.Tensor] = {}
+    for start, local in locals_.values():
+        if start in by_start:
+            assert torch.equal(by_start[start], local)  # replicas equal
+        by_start[start] = local
+    assert len(by_start) == math.prod(
+        n for n, p in zip(mesh_shape, placements) if not isinstance(p, Replicate)
+    )
+
+
+def test_deferred_init_reservation_too_small_is_an_error(philox):
+    """Recorded with no process group (world size 1: one tensor's offsets reserved), a
+    sharded materialization would draw past them into the next op's: a ValueError naming
+    the op, the placements and the mesh, before anything is drawn."""
+    t = deferred_init(lambda: torch.empty(5, 12).uniform_())
+    mesh = _rank_mesh((4,), 3)
+    philox.calls.clear()
+    with pytest.raises(ValueError, match=r"uniform_.*reserved 60 .*Shard\(dim=0\).*init_process"):
+        materialize_dtensor(t, mesh, [Shard(0)])
+    assert philox.calls == []
+
+
+def test_ragged_dtensor_random_ops_draw_only_the_shard(philox):
+    """What vescale.fsdp's meta-device path runs (``to_empty``, then an in-place init on the
+    sharded parameters): a random op on a RaggedShard DTensor draws each rank's slice
+    alone, at its offsets (distinct between ranks), every rank's generator moved alike."""
+    units = (1, 2, 0, 1)
+    ragged = [RaggedShard(dims=(0,), local_units=units)]
+    for rank in range(4):
+        mesh = _rank_mesh((4,), rank)
+        local = torch.zeros(units[rank] * 24)
+        d = vescale.DTensor.from_local(
+            local, mesh, ragged, run_check=False, shape=(8, 12), stride=(12, 1)
+        )
+        d.uniform_(-1.0, 1.0)
+        assert d.to_local() is local or d.to_local().numel() == local.numel()
+    assert [n for _, _, n in philox.calls] == [u * 24 for u in units]
+    starts = [s for s, _, _ in philox.calls]
+    spec = _spec(_rank_mesh((4,), 0), ragged, (8, 12))
+    assert starts == [vrandom.philox_offsets(spec, (r,))[0] for r in range(4)]
+    assert len(set(starts)) == 4 and len({e for _, e, _ in philox.calls}) == 1

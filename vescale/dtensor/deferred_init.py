@@ -11,7 +11,8 @@ generator state as after eager construction.
 ``materialize_dtensor`` / ``materialize_module`` replay the record for this rank's global
 indices only: creation (empty/zeros/ones/full) allocates the local shard, random ops fill it
 through :func:`vescale.dtensor.random.run_random` with the recorded generator state (which is
-restored afterwards), and exact element-wise in-place ops (fill, zero, add, mul, clamp,
+restored afterwards; on a CUDA (Philox) device a DTensor's shard draws alone at its shard's
+offsets, O(shard): :mod:`vescale.dtensor.random`), and exact element-wise in-place ops (fill, zero, add, mul, clamp,
 erfinv, copy from a constant, ...) run on the shard, through ``select``/``slice`` views too
 (e.g. an embedding's ``padding_idx`` row). Everything else (ops mixing deferred tensors, other
 views, other factories such as ``arange``) replays that one tensor in full and slices it:
@@ -39,16 +40,27 @@ from torch.utils.hooks import RemovableHandle
 from vescale._torch_compat import TorchDispatchMode, tree_map
 from vescale.dtensor.dtensor import DTensor, from_local
 from vescale.dtensor.layout import contiguous_strides, local_indices
-from vescale.dtensor.placement_types import Placement, Replicate, normalize_placements
+from vescale.dtensor.placement_types import (
+    Placement,
+    Replicate,
+    make_spec,
+    normalize_placements,
+)
 from vescale.dtensor.ragged import find_ragged, ragged_local_range, replace_ragged
 from vescale.dtensor.random import (
     RANDOM_OPS,
     Indices,
     RandomOp,
     default_generator,
+    draw_on_shard,
+    is_philox,
+    philox_offsets,
     random_op_of,
+    reserve_philox,
     run_random,
+    shard_indices,
     take_local,
+    uses_philox,
 )
 
 __all__ = ["deferred_init", "is_deferred", "materialize_dtensor", "materialize_module"]
@@ -93,7 +105,8 @@ class _Step(abc.ABC):
 
     ``full`` replays it on the whole tensor ``t`` and returns the tensor after it;
     ``local_ok`` says whether ``local`` gives this rank's shard of that bit for bit from
-    the shard alone; ``local`` replays it on the shard ``local`` at global ``indices``.
+    the shard alone; ``local`` replays it on the shard ``local`` at global ``indices``
+    (``at``: the shard's layout, when it becomes a DTensor's local tensor).
     """
 
     @abc.abstractmethod
@@ -102,8 +115,19 @@ class _Step(abc.ABC):
     def local_ok(self, record: _Record) -> bool:
         return False
 
-    def local(self, local: torch.Tensor, record: _Record, indices: Indices) -> torch.Tensor:
+    def local(
+        self, local: torch.Tensor, record: _Record, indices: Indices, at: _OnMesh | None
+    ) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} is replayed in full only")
+
+
+@dataclass(frozen=True, eq=False)
+class _OnMesh:
+    """The DTensor a shard being materialized belongs to: its ``spec`` and this rank's mesh
+    ``coordinate`` (a random step on a Philox device draws at the shard's offsets)."""
+
+    spec: Any
+    coordinate: tuple[int, ...]
 
 
 @dataclass(eq=False)
@@ -122,7 +146,9 @@ class _Fill(_Step):
     def local_ok(self, record: _Record) -> bool:
         return True
 
-    def local(self, local: torch.Tensor, record: _Record, indices: Indices) -> torch.Tensor:
+    def local(
+        self, local: torch.Tensor, record: _Record, indices: Indices, at: _OnMesh | None
+    ) -> torch.Tensor:
         shape = [ix.numel() for ix in indices]
         out = torch.empty(shape, dtype=record.dtype, device=record.device)
         return out if self.value is None else out.fill_(self.value)
@@ -153,7 +179,9 @@ class _Factory(_OpStep):
     def local_ok(self, record: _Record) -> bool:
         return True
 
-    def local(self, local: torch.Tensor, record: _Record, indices: Indices) -> torch.Tensor:
+    def local(
+        self, local: torch.Tensor, record: _Record, indices: Indices, at: _OnMesh | None
+    ) -> torch.Tensor:
         return take_local(self.run(), indices)
 
 
@@ -181,10 +209,13 @@ class _Derived(_OpStep):
             and _local_ok(src.record, src.version)
         )
 
-    def local(self, local: torch.Tensor, record: _Record, indices: Indices) -> torch.Tensor:
+    def local(
+        self, local: torch.Tensor, record: _Record, indices: Indices, at: _OnMesh | None
+    ) -> torch.Tensor:
         src = self.args[0]
         kwargs = {k: v for k, v in self.kwargs.items() if k != "memory_format"}
-        return self.func(_local_value(src.record, indices, src.version), **kwargs)  # type: ignore[no-any-return]
+        value = _local_value(src.record, indices, src.version, at)
+        return self.func(value, **kwargs)  # type: ignore[no-any-return]
 
 
 @dataclass(eq=False)
@@ -208,7 +239,9 @@ class _InPlace(_OpStep):
         tensors = [a for a in rest if isinstance(a, torch.Tensor) and a.dim() > 0]
         return not (self.view and (_view_positions(self.view, record.shape) is None or tensors))
 
-    def local(self, local: torch.Tensor, record: _Record, indices: Indices) -> torch.Tensor:
+    def local(
+        self, local: torch.Tensor, record: _Record, indices: Indices, at: _OnMesh | None
+    ) -> torch.Tensor:
         if self.view:
             pos = _view_positions(self.view, record.shape)
             assert pos is not None
@@ -243,12 +276,14 @@ class _SeededInPlace(_InPlace):
 class _Random(_Step):
     """A modelled random op (``uniform_``/``normal_``/``bernoulli_``, see
     :mod:`vescale.dtensor.random`) from its recorded generator state; on the shard alone
-    unless through a view."""
+    unless through a view. ``reserved``: on a Philox device, the offsets recording it moved
+    the generator past (the shard of a DTensor draws at its offsets within them)."""
 
     rop: RandomOp
     gen: torch.Generator
     state: torch.Tensor
     view: View = ()
+    reserved: int | None = None
 
     def full(self, t: torch.Tensor, record: _Record) -> torch.Tensor:
         target = _apply_view(t, self.view)
@@ -259,7 +294,16 @@ class _Random(_Step):
     def local_ok(self, record: _Record) -> bool:
         return not self.view
 
-    def local(self, local: torch.Tensor, record: _Record, indices: Indices) -> torch.Tensor:
+    def local(
+        self, local: torch.Tensor, record: _Record, indices: Indices, at: _OnMesh | None
+    ) -> torch.Tensor:
+        if at is not None and self.reserved is not None and uses_philox(record.device, at.spec):
+            self._check_reserved(at)
+            with _rng_at(self.gen, self.state):
+                draw_on_shard(
+                    at.spec, at.coordinate, self.rop.op, local, *self.rop.args, generator=self.gen
+                )
+            return local
         with _rng_at(self.gen, self.state):
             run_random(
                 self.rop,
@@ -271,6 +315,17 @@ class _Random(_Step):
                 out=local,
             )
         return local
+
+    def _check_reserved(self, at: _OnMesh) -> None:
+        end = philox_offsets(at.spec, at.coordinate)[1]
+        if self.reserved is not None and end > self.reserved:
+            spec = at.spec
+            raise ValueError(
+                f"materialize: the deferred {self.rop.op} of a tensor of shape "
+                f"{tuple(spec.shape)} reserved {self.reserved} Philox offsets when recorded, "
+                f"placements {tuple(spec.placements)} on {spec.mesh} draw from {end}: call "
+                f"deferred_init after init_process_group (it reserves for the world size)"
+            )
 
 
 @dataclass(eq=False)
@@ -493,8 +548,12 @@ def _record_inplace(
     step: _Step
     if func in RANDOM_OPS:
         rop, gen, state = _snapshot(random_op_of(func, args, kwargs), record.device)
-        step = _Random(rop, gen, state, target._view)
-        run_random(rop, target.shape, target.dtype, record.device, None, stride=target.stride())
+        reserved = None
+        if is_philox(record.device):  # nothing drawn: shards draw per shard
+            reserved = reserve_philox(target.numel(), gen, record.device)
+        else:
+            run_random(rop, target.shape, target.dtype, record.device, None, stride=target.stride())
+        step = _Random(rop, gen, state, target._view, reserved)
     elif torch.Tag.nondeterministic_seeded in func.tags:
         gen = kwargs.get("generator") or default_generator(record.device)
         step = _SeededInPlace(
@@ -579,16 +638,18 @@ def _local_ok(record: _Record, upto: int | None = None) -> bool:
     return all(step.local_ok(record) for step in record.steps[:upto])
 
 
-def _local_value(record: _Record, indices: Indices, upto: int | None = None) -> torch.Tensor:
+def _local_value(
+    record: _Record, indices: Indices, upto: int | None = None, at: _OnMesh | None = None
+) -> torch.Tensor:
     """This rank's shard of ``record`` after its first ``upto`` steps (all by default):
     replayed on the shard when every step allows it, else replayed in full (this tensor
-    only) and sliced."""
+    only) and sliced. ``at``: the DTensor it is the local tensor of, if any."""
     upto = len(record.steps) if upto is None else upto
     if not _local_ok(record, upto):
         return take_local(_full(record, upto), indices)
     local = torch.empty(0)
     for step in record.steps[:upto]:
-        local = step.local(local, record, indices)
+        local = step.local(local, record, indices, at)
     return local
 
 
@@ -656,12 +717,12 @@ def is_deferred(module_or_tensor: nn.Module | torch.Tensor) -> bool:
     return isinstance(module_or_tensor, _DeferredTensor)
 
 
-def _local_of(tensor: torch.Tensor, indices: Indices) -> torch.Tensor:
+def _local_of(tensor: torch.Tensor, indices: Indices, at: _OnMesh | None = None) -> torch.Tensor:
     if not isinstance(tensor, _DeferredTensor):
         return take_local(tensor.detach(), indices)
     if tensor._view:
         return take_local(_full_value(tensor), indices)
-    return _local_value(tensor._record, indices)
+    return _local_value(tensor._record, indices, at=at)
 
 
 def materialize_dtensor(
@@ -672,17 +733,24 @@ def materialize_dtensor(
     pl = normalize_placements(placements, device_mesh, tensor.ndim, what="materialize_dtensor")
     coord = device_mesh.get_coordinate()
     shape = tuple(tensor.shape)
+    stride = contiguous_strides(shape)
     if coord is None:
         local = torch.empty(0, dtype=tensor.dtype)
     else:
-        inner = replace_ragged(pl, Replicate())  # a RaggedShard slices the shard it leaves
-        local = _local_of(tensor, local_indices(shape, device_mesh, inner, coord))
+        indices = shard_indices(shape, device_mesh, pl, coord)
+        if indices is not None:  # the shard alone (a RaggedShard's rows, flattened)
+            at = _OnMesh(make_spec(device_mesh, pl, shape, stride, tensor.dtype), tuple(coord))
+            local = _local_of(tensor, indices, at)
+        else:  # a RaggedShard over several dims: the tensor it slices, then its slice
+            inner = local_indices(shape, device_mesh, replace_ragged(pl, Replicate()), coord)
+            local = _local_of(tensor, inner)
         if any(p.is_partial() and c != 0 for p, c in zip(pl, coord)):
             local.zero_()  # Partial: the value on coordinate 0, zeros elsewhere
         if find_ragged(pl) is not None:
-            local = local.reshape(-1).narrow(0, *ragged_local_range(shape, device_mesh, pl))
+            local = local.reshape(-1)
+        if indices is None:
+            local = local.narrow(0, *ragged_local_range(shape, device_mesh, pl))
     local = local.to(device_mesh.device_type if device_mesh.device_type != "meta" else "cpu")
-    stride = contiguous_strides(shape)
     return from_local(local, device_mesh, pl, run_check=False, shape=shape, stride=stride)
 
 

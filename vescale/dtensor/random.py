@@ -49,8 +49,12 @@ tensor that no mesh dim of more than one rank shards runs the op as one device d
 values, same generator advance). SDPA's flash and memory-efficient kernels with
 ``dropout_p > 0`` on DTensors draw each (batch, head) shard's mask at the offsets of that
 shard of a ``(B, H, L, max(S, 32))`` virtual tensor (:func:`sdpa_dropout_spec`); the kernel
-returns its seed and offset, so the backward redraws that mask. Deferred init
-(:func:`run_random`) on CUDA still generates each tensor in full and slices it (exact).
+returns its seed and offset, so the backward redraws that mask. Deferred init on CUDA
+draws nothing when it records a random op (the generator moves past
+:func:`philox_reserve` offsets); materializing a shard draws it alone at its
+:func:`philox_offsets` from the recorded state: the values the same op on a DTensor of
+that layout gives. ``RaggedShard(dims=(0,))`` (vescale.fsdp's parameters) counts as a
+sharding: each rank's slice is a shard, on CPU its rows' single-device values.
 """
 
 from __future__ import annotations
@@ -82,6 +86,14 @@ from vescale.dtensor.hooks import bypass_dispatch, output_spec, python_dispatch
 from vescale.dtensor.inflight import wait_local
 from vescale.dtensor.layout import contiguous_strides, local_indices
 from vescale.dtensor.placement_types import Partial, Replicate, Shard
+from vescale.dtensor.propagation import UnsupportedOpError
+from vescale.dtensor.ragged import (
+    RaggedShard,
+    find_ragged,
+    inner_shape,
+    ragged_local_range,
+    replace_ragged,
+)
 from vescale.dtensor.redistribute import replicate_to_partial
 
 __all__ = [
@@ -89,11 +101,15 @@ __all__ = [
     "PIECE_ELEMENTS",
     "RandomOp",
     "draw_on_shard",
+    "is_philox",
     "philox_offsets",
+    "philox_reserve",
     "random_op_of",
+    "reserve_philox",
     "run_at_philox",
     "run_random",
     "sdpa_dropout_spec",
+    "shard_indices",
     "take_local",
     "uses_philox",
 ]
@@ -136,6 +152,25 @@ def _selector(indices: Indices, shape: Sequence[int], first: int = 0) -> tuple[A
 def take_local(full: torch.Tensor, indices: Indices) -> torch.Tensor:
     """The shard of ``full`` at ``indices`` as a new contiguous tensor."""
     return full[_selector(indices, full.shape)].contiguous()
+
+
+def shard_indices(
+    shape: Sequence[int], mesh: Any, placements: Sequence[Any], coordinate: Sequence[int]
+) -> Indices | None:
+    """Per tensor dim, the global indices the shard at mesh ``coordinate`` holds
+    (:func:`~vescale.dtensor.layout.local_indices`); a ``RaggedShard(dims=(0,))`` slice as
+    the rows of dim 0 it holds (its local tensor is their flattening). ``None`` for a
+    RaggedShard of more dims: its slice is no product of index sets."""
+    found = find_ragged(placements)
+    if found is None:
+        return local_indices(shape, mesh, placements, coordinate)
+    if found[1].dims != (0,):
+        return None
+    indices = local_indices(shape, mesh, replace_ragged(placements, Replicate()), coordinate)
+    start, length = ragged_local_range(shape, mesh, placements, coordinate)
+    block = math.prod(len(ix) for ix in indices[1:])
+    lo, hi = (start // block, (start + length) // block) if block else (0, 0)
+    return (indices[0][lo:hi], *indices[1:])
 
 
 # ---- random ops ------------------------------------------------------------------------
@@ -365,13 +400,48 @@ random ops on DTensors there run on the local shard only, at per-shard offsets."
 
 def _philox_layout(spec: Any) -> bool:
     """Whether ``spec``'s placements are ones :func:`philox_offsets` numbers shards of."""
-    return all(isinstance(p, Shard | StridedShard | Replicate | Partial) for p in spec.placements)
+    kinds = Shard | StridedShard | Replicate | Partial | RaggedShard
+    return all(isinstance(p, kinds) for p in spec.placements)
+
+
+def _shard_number(spec: Any, coordinate: Sequence[int]) -> tuple[int, int]:
+    """``(number, count)``: the shard at mesh ``coordinate`` and how many shards there are,
+    numbered as upstream's ``OffsetBasedRNGTracker`` numbers them; a RaggedShard mesh dim
+    (one per spec) splits each shard of the other mesh dims by its coordinate there."""
+    coord = list(coordinate)
+    found = find_ragged(spec.placements)
+    if found is not None:
+        placements = replace_ragged(spec.placements, Replicate())
+        spec = DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
+    idx, counts = shard_info(coord, spec)
+    number, count = int(shard_linear_idx(idx, counts)), int(math.prod(counts))
+    if found is None:
+        return number, count
+    n = spec.mesh.size(found[0])
+    return number * n + coord[found[0]], count * n
+
+
+def _largest_shard(spec: Any) -> int:
+    """The element count of the largest shard of ``spec`` (mesh coordinate 0's chunk of every
+    ``Shard``; the largest of a RaggedShard's slices of it)."""
+    zero = [0] * spec.mesh.ndim
+    found = find_ragged(spec.placements)
+    if found is None:
+        first = local_indices(spec.shape, spec.mesh, spec.placements, zero)
+        return math.prod(len(ix) for ix in first)
+    inner = inner_shape(spec.shape, spec.mesh, spec.placements, zero)
+    return max(n for _, n in found[1].local_ranges(inner))
+
+
+def is_philox(device: torch.device) -> bool:
+    """Whether ``device``'s generator is a Philox stream (:data:`PHILOX_DEVICES`)."""
+    return device.type in PHILOX_DEVICES
 
 
 def uses_philox(device: torch.device, spec: Any) -> bool:
     """Whether a random op on a DTensor of ``spec`` with local tensors on ``device`` draws
     per shard from Philox offsets (see the module docstring) rather than single-device."""
-    return device.type in PHILOX_DEVICES and _philox_layout(spec)
+    return is_philox(device) and _philox_layout(spec)
 
 
 def philox_offsets(spec: Any, coordinate: Sequence[int]) -> tuple[int, int]:
@@ -383,11 +453,32 @@ def philox_offsets(spec: Any, coordinate: Sequence[int]) -> tuple[int, int]:
     shard's element count rounded up to a multiple of 4 (CUDA offsets are), so every shard
     has at least its element count of offsets to itself, and ``end`` covers all shards and
     at least the whole tensor's count (the offset one device's op would move by, rounded)."""
-    idx, counts = shard_info(list(coordinate), spec)
-    first = local_indices(spec.shape, spec.mesh, spec.placements, [0] * spec.mesh.ndim)
-    step = -(-math.prod(len(ix) for ix in first) // 4) * 4
+    number, count = _shard_number(spec, coordinate)
+    step = -(-_largest_shard(spec) // 4) * 4
     whole = -(-math.prod(spec.shape) // 4) * 4
-    return int(shard_linear_idx(idx, counts)) * step, max(whole, math.prod(counts) * step)
+    return number * step, max(whole, count * step)
+
+
+def philox_reserve(numel: int) -> int:
+    """The Philox offsets a deferred random op on ``numel`` elements reserves (see
+    :func:`reserve_philox`): the world size times ``numel`` rounded up to 4, which bounds
+    :func:`philox_offsets`' ``end`` for every layout on every mesh of this world (at most
+    world-size shards, none larger than the tensor)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return world * (-(-numel // 4) * 4)
+
+
+def reserve_philox(numel: int, generator: torch.Generator, device: torch.device) -> int:
+    """Move the Philox ``generator`` (on ``device``) past :func:`philox_reserve` offsets without
+    drawing (what deferred init does for a random op it records: the op draws per shard from
+    the recorded state when materialized); returns that count."""
+    n = philox_reserve(numel)
+    run_at_philox(0, n, _no_draw, torch.empty(0, device=device), generator=generator)
+    return n
+
+
+def _no_draw(t: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    return t
 
 
 def run_at_philox(
@@ -428,8 +519,7 @@ def draw_on_shard(
     tensor (every rank holds all of it: the same values and generator advance as one
     device's), else through :func:`run_at_philox` at :func:`philox_offsets`."""
     coord = list(coordinate) if coordinate is not None else [0] * spec.mesh.ndim
-    counts = shard_info(coord, spec)[1]
-    if math.prod(counts) == 1:
+    if _shard_number(spec, coord)[1] == 1:
         extra = {} if generator is None else {"generator": generator}
         return op(*args, **kwargs, **extra)
     start, end = philox_offsets(spec, coord)
@@ -449,8 +539,9 @@ def _philox_values(
     if p is not None:
         probs, is_local = p
         if not is_local and coordinate is not None:
-            indices = local_indices(spec.shape, spec.mesh, spec.placements, coordinate)
-            probs = take_local(probs.expand(spec.shape), indices)
+            indices = shard_indices(spec.shape, spec.mesh, spec.placements, coordinate)
+            assert indices is not None  # _fill refused the others
+            probs = take_local(probs.expand(spec.shape), indices).view(local.shape)
         args = (probs, *args[1:])
     draw_on_shard(spec, coordinate, rop.op, local, *args, generator=rop.generator)
     return local
@@ -470,7 +561,8 @@ INPLACE_RANDOM_OPS = (
     _RANDOM_FROM,
     aten.random_.to,
 )
-"""In-place random ops on a DTensor: each rank fills its shard with the single-device values."""
+"""In-place random ops on a DTensor: each rank fills its shard with the single-device values
+(``RaggedShard(dims=(0,))`` inputs included: what ``vescale.fsdp``'s sharded parameters are)."""
 
 _LikeFill = Callable[[tuple[Any, ...]], tuple[torch._ops.OpOverload, tuple[Any, ...]]]
 _UNIT = (_UNIFORM, (0.0, 1.0))
@@ -593,7 +685,7 @@ def _fill_rank(
         indices = (
             None
             if coordinate is None
-            else local_indices(spec.shape, spec.mesh, spec.placements, coordinate)
+            else shard_indices(spec.shape, spec.mesh, spec.placements, coordinate)
         )
         values = _values(rop, spec, local, indices, p)
     if values is None or coordinate is None:
@@ -612,6 +704,13 @@ def _fill(op: torch._ops.OpOverload, rop: RandomOp, dt: _UpstreamDTensor) -> Non
     simulated rank gets its own shard of the values, every rank's generator advancing as one
     device's does."""
     spec = dt._spec
+    found = find_ragged(spec.placements)
+    if found is not None and found[1].dims != (0,):
+        raise UnsupportedOpError(
+            f"{op}: not supported on RaggedShard inputs with dims {found[1].dims} "
+            f"({tuple(spec.placements)} {list(spec.shape)} on {spec.mesh}): only dims=(0,); "
+            f"redistribute them to Shard/Replicate first (x.redistribute(mesh, placements))"
+        )
     if spec.mesh.device_type == "meta":
         return
     mesh_coordinate = spec.mesh.get_coordinate()

@@ -52,6 +52,7 @@ from vescale.dtensor.ops._registry import (
 from vescale.dtensor.placement_types import ExtremumNormPartial, Partial, Placement, Replicate
 from vescale.dtensor.propagation import UnsupportedOpError
 from vescale.dtensor.ragged import RaggedShard, find_ragged
+from vescale.dtensor.random import INPLACE_RANDOM_OPS
 
 __all__ = ["ELEMENTWISE_OPS", "REDUCTION_OPS", "ragged_reduction"]
 
@@ -395,7 +396,7 @@ def _norms(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 # ---- ops whose own dispatch handler would see a RaggedShard input ---------------------
 
-_RAGGED_AWARE = set(REDUCTION_OPS)
+_RAGGED_AWARE = {*REDUCTION_OPS, *INPLACE_RANDOM_OPS}
 _guarded: set[Any] = set()
 
 
