@@ -13,11 +13,18 @@ from tests.harness.misuse import error_everywhere
 from vescale import RaggedShard, Replicate
 
 PLACEMENT = RaggedShard((0,), (3, 1))
+PLACEMENT_2D = RaggedShard((0, 1), (3, 1))  # random ops draw dims=(0,) shares only
 
 
 def _x() -> vescale.DTensor:
     mesh = vescale.init_device_mesh("cpu", (dist.get_world_size(),))
     return vescale.distribute_tensor(torch.ones(8, 6, dtype=torch.float64), mesh, [PLACEMENT])
+
+
+def _ragged_2d() -> vescale.DTensor:
+    mesh = vescale.init_device_mesh("cpu", (dist.get_world_size(),))
+    x = torch.ones(8, 6, dtype=torch.float64)
+    return vescale.distribute_tensor(x, mesh, [PLACEMENT_2D])
 
 
 def _replicated(shape: tuple[int, ...]) -> vescale.DTensor:
@@ -35,9 +42,10 @@ CASES = {
     "cumsum": (lambda: _x().cumsum(0), "aten.cumsum.default: not supported"),
     # ops with a dispatch handler of their own
     "topk": (lambda: _x().topk(2), "aten.topk.default: not supported on RaggedShard inputs"),
+    # random ops: RaggedShard(dims=(0,)) draws its rows (vescale.fsdp); several dims are refused
     "dropout": (
-        lambda: torch.nn.functional.dropout(_x(), 0.5),
-        "aten.bernoulli_.float: not supported on RaggedShard inputs",
+        lambda: torch.nn.functional.dropout(_ragged_2d(), 0.5),
+        "aten.bernoulli_.float: not supported on RaggedShard inputs with dims (0, 1)",
     ),
     # element-wise ops on layouts that do not match
     "other_units": (
@@ -71,7 +79,8 @@ def test_unsupported_op_same_error_everywhere(pool2, name):
     error = error_everywhere(pool2, run_case, name)
     assert error.kind == "UnsupportedOpError", error
     assert CASES[name][1] in error.message, error.message
-    assert str(PLACEMENT) in error.message or repr(PLACEMENT) in error.message, error.message
+    placement = PLACEMENT_2D if name == "dropout" else PLACEMENT
+    assert str(placement) in error.message or repr(placement) in error.message, error.message
     assert "DeviceMesh((2,)" in error.message and "redistribute" in error.message, error.message
 
 
